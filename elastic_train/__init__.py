@@ -1,0 +1,18 @@
+"""elastic_train: elastic, fault-tolerant data-parallel training for PyTorch on Ray.
+
+    from elastic_train import load_config, train
+    result = train(load_config(None, ["train.max_steps=100"]))
+"""
+
+from elastic_train.config import Config, ConfigError, load_config
+
+__all__ = ["Config", "ConfigError", "TrainResult", "TrainingFailed", "load_config", "train"]
+
+
+def __getattr__(name: str):
+    # Ray and torch load only when training is asked for: config errors stay fast.
+    if name in ("train", "TrainResult", "TrainingFailed"):
+        from elastic_train import api
+
+        return getattr(api, name)
+    raise AttributeError(name)

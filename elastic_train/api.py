@@ -1,0 +1,216 @@
+"""The driver side: check the inputs, join or start Ray, build the TorchTrainer, run, summarise.
+
+    from elastic_train import load_config, train
+    result = train(load_config("jobs/configs/smoke.yaml", ["train.max_steps=50"]))
+    print(result.summary["final_loss"], result.checkpoint_path)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray
+import ray.data
+import ray.train
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from elastic_train.config import Config, ConfigError
+from elastic_train.model import MODELS
+from elastic_train.prepare import DatasetInfo, default_corpus_dir, inspect_dataset
+from elastic_train.runlog import RunLog, split_uri
+from elastic_train.summary import build_summary
+from elastic_train.worker import train_worker
+
+logger = logging.getLogger("elastic_train")
+
+
+@dataclass
+class TrainResult:
+    """What `train` returns: the summary.json content, the run folder, the last checkpoint."""
+
+    summary: dict[str, Any]
+    run_dir: str
+    checkpoint_path: str | None
+
+
+def resolve_dataset(cfg: Config) -> DatasetInfo:
+    """The dataset to train on, checked before any worker starts (ConfigError if unusable)."""
+    path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
+    try:
+        info = inspect_dataset(path)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"data.path: {exc}") from None
+    if info.max_length > cfg.data.max_seq_len:
+        raise ConfigError(
+            f"data.path: dataset {path} has rows of {info.max_length} tokens, longer than "
+            f"data.max_seq_len={cfg.data.max_seq_len}; prepare it again with --max-seq-len "
+            f"{cfg.data.max_seq_len} or raise data.max_seq_len"
+        )
+    return info
+
+
+def run_uri(cfg: Config) -> str:
+    """`<run.storage_path>/<run.name>`, absolute for a local folder."""
+    storage = cfg.run.storage_path
+    if "://" not in storage:
+        storage = os.path.abspath(os.path.expanduser(storage))
+    return storage.rstrip("/") + "/" + cfg.run.name
+
+
+def check_inputs(cfg: Config) -> DatasetInfo:
+    """Every check that needs no cluster: model name, dataset, storage."""
+    if cfg.model.name not in MODELS:
+        raise ConfigError(f"model.name: unknown model {cfg.model.name!r} (known: {sorted(MODELS)})")
+    return resolve_dataset(cfg)
+
+
+def init_ray(cfg: Config) -> bool:
+    """Join the cluster of run.address / RAY_ADDRESS, or start a local one; True if started here."""
+    # The Train controller inherits these from the driver's environment.
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.scaling.health_check_interval_s)
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(
+        cfg.scaling.worker_group_start_timeout_s
+    )
+    if ray.is_initialized():
+        return False
+    address = cfg.run.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    workers_cpus = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
+    # Ray Data's read tasks need CPUs beyond the workers' or they wait forever.
+    num_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(workers_cpus) + 2)
+    ray.init(num_cpus=num_cpus, dashboard_host="127.0.0.1")
+    return True
+
+
+def build_trainer(cfg: Config, info: DatasetInfo, runlog) -> TorchTrainer:
+    s = cfg.scaling
+    num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
+    resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
+    if s.use_gpu:
+        resources["GPU"] = 1
+    datasets, dataset_config = {}, None
+    if cfg.data.reader == "ray_data":
+        local = isinstance(info.filesystem, pafs.LocalFileSystem)
+        datasets["train"] = ray.data.read_parquet(
+            info.files, filesystem=None if local else info.filesystem,
+            columns=["id", "tokens", "length"], shuffle=None,
+        )
+        options = ray.data.DataContext.get_current().execution_options
+        options.preserve_order = True  # every worker must see the rows in the same order
+        # Not split: each worker keeps the rows of its canonical partitions (plan.py).
+        dataset_config = ray.train.DataConfig(datasets_to_split=[], execution_options=options)
+    storage = cfg.run.storage_path
+    if "://" not in storage:
+        storage = os.path.abspath(os.path.expanduser(storage))
+    return TorchTrainer(
+        train_loop_per_worker=train_worker,
+        train_loop_config={"config": cfg.to_dict(), "runlog": runlog,
+                           "files": [_uri(info, f) for f in info.files]},
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
+            elastic_resize_monitor_interval_s=s.resize_monitor_interval_s,
+        ),
+        run_config=RunConfig(
+            name=cfg.run.name, storage_path=storage,
+            failure_config=FailureConfig(max_failures=s.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+        ),
+        datasets=datasets,
+        dataset_config=dataset_config,
+    )
+
+
+def _uri(info: DatasetInfo, path: str) -> str:
+    """A shard's path as workers on any node open it (pyarrow.fs URI for remote storage)."""
+    if isinstance(info.filesystem, pafs.LocalFileSystem):
+        return path
+    return f"{info.filesystem.type_name}://{path}"
+
+
+def start_runlog(cfg: Config):
+    node_id = ray.get_runtime_context().get_node_id()
+    return RunLog.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+    ).remote(run_uri(cfg))
+
+
+def save_config(cfg: Config, runlog) -> None:
+    """config.yaml is the resolved config; an earlier, different one is kept beside it."""
+    folder = ray.get(runlog.local_folder.remote())
+    path = os.path.join(folder, "config.yaml")
+    text = cfg.to_yaml()
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        if old != text:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            ray.get(runlog.write_file.remote(f"config.{stamp}.yaml", old))
+            logger.warning("run %s: config differs from the saved one; kept it as config.%s.yaml",
+                           cfg.run.name, stamp)
+    ray.get(runlog.write_file.remote("config.yaml", text))
+
+
+def train(cfg: Config, progress=None) -> TrainResult:
+    """Train (or resume) the run described by `cfg`; returns its summary and last checkpoint.
+
+    Inputs are checked before any worker starts (ConfigError). A run that fails on the cluster
+    still writes summary.json with status "failed" and the reason, then raises TrainingFailed.
+    """
+    info = check_inputs(cfg)
+    started_here = init_ray(cfg)
+    start = time.time()
+    runlog = start_runlog(cfg)
+    try:
+        save_config(cfg, runlog)
+        ray.get(runlog.log_event.remote({"event": "fit_start"}))
+        trainer = build_trainer(cfg, info, runlog)
+        error, checkpoint_path = None, None
+        if progress is not None:
+            progress.start(runlog)
+        try:
+            result = trainer.fit()
+            checkpoint_path = result.checkpoint.path if result.checkpoint else None
+        except ray.train.TrainingFailedError as exc:
+            error = _short_reason(exc)
+        finally:
+            if progress is not None:
+                progress.stop()
+        fatal = ray.get(runlog.progress.remote())["fatal"]
+        folder = ray.get(runlog.local_folder.remote())
+        summary = build_summary(folder, start_time=start, error=fatal or error)
+        ray.get(runlog.write_file.remote("summary.json", json.dumps(summary, indent=2)))
+        ray.get(runlog.flush.remote())
+        if summary["status"] != "finished":
+            raise TrainingFailed(summary["reason"], summary)
+        return TrainResult(summary, run_uri(cfg), checkpoint_path)
+    finally:
+        ray.kill(runlog)
+        if started_here:
+            ray.shutdown()
+
+
+class TrainingFailed(RuntimeError):
+    """The run failed on the cluster; `summary` is what summary.json says."""
+
+    def __init__(self, reason: str, summary: dict[str, Any]) -> None:
+        super().__init__(reason)
+        self.summary = summary
+
+
+def _short_reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    errors = [line for line in text if "Error" in line]
+    return (errors[-1] if errors else (text[-1] if text else type(exc).__name__))[:500]
+
+
+__all__ = ["TrainResult", "TrainingFailed", "check_inputs", "run_uri", "split_uri", "train"]

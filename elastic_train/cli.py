@@ -1,0 +1,80 @@
+"""The `elastic-train` command line: train, prepare, report.
+
+    elastic-train train [--config FILE.yaml] [dotted.key=value ...]
+    elastic-train prepare INPUT... --output DIR [--max-seq-len N]
+    elastic-train report RUN_FOLDER
+
+Exit status 0 on success; on bad input, non-zero with one line `error: ...` naming the culprit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _train(args: argparse.Namespace) -> int:
+    from elastic_train.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    from elastic_train.api import check_inputs, train
+    from elastic_train.progress import Progress
+
+    check_inputs(cfg)  # fail fast, before Ray starts
+    progress = Progress(cfg.train.max_steps, cfg.log.progress, cfg.log.print_every_steps)
+    result = train(cfg, progress=progress)
+    s = result.summary
+    print(f"finished: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
+          f"padding efficiency {s['padding_efficiency']:.3f}, {s['tokens_per_s']:.0f} tokens/s, "
+          f"restarts {s['restarts']}, run folder {result.run_dir}")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from elastic_train.prepare import prepare
+
+    stats = prepare(args.inputs, args.output, max_seq_len=args.max_seq_len, seed=args.seed)
+    print(json.dumps(stats))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastic-train", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train (or resume) a run")
+    p.add_argument("--config", default=None, help="YAML config (default: the embedded one)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.set_defaults(func=_train)
+    p = sub.add_parser("prepare", help="text files or folders -> Parquet shards")
+    p.add_argument("inputs", nargs="+")
+    p.add_argument("--output", required=True)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `elastic-train` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from elastic_train.config import ConfigError
+
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a failed run: summary.json has the details
+        from elastic_train.api import TrainingFailed
+
+        if isinstance(exc, TrainingFailed):
+            print(f"error: run failed: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""Run configuration: a tree of dataclasses loaded from YAML with strict keys and dotted overrides.
+
+`load_config(path, overrides)` reads the YAML file (or the embedded default), applies `key=value`
+overrides, checks every key and type, validates cross-field constraints and returns a `Config`.
+Any problem raises `ConfigError` with one message that names the culprit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_CONFIG_PATH = Path(__file__).parent / "configs" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key, value or path at fault."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"  # run folder name under storage_path; the same name resumes that run
+    storage_path: str = "./runs"  # local folder or a pyarrow.fs URI (s3://, gs://, ...)
+    address: str | None = None  # Ray cluster to join; None: RAY_ADDRESS, else a new local cluster
+    num_cpus: int | None = None  # logical CPUs of a new local cluster; None: enough for workers + data
+
+
+@dataclass
+class ScalingConfig:
+    min_workers: int = 2  # the run starts once this many workers fit
+    max_workers: int = 2  # and grows up to this many when the cluster has room
+    use_gpu: bool = False  # one GPU per worker, NCCL; False: CPU workers, gloo
+    max_failures: int = 3  # restarts allowed before the run fails (-1: unlimited)
+    cpus_per_worker: float = 1.0  # CPUs each worker reserves
+    resources_per_worker: dict[str, float] = field(default_factory=dict)  # extra Ray resources
+    health_check_interval_s: float = 0.2  # controller poll; ray.train.report waits for it
+    worker_group_start_timeout_s: float = 60.0  # give up starting a group of this size after
+    resize_monitor_interval_s: float = 5.0  # how often an elastic run looks for room to grow
+    torch_threads: int = 1  # intra-op threads per CPU worker
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # folder of Parquet shards; None: the embedded stdlib corpus
+    seed: int = 0  # fixes the order of every epoch
+    record_ids: bool = False  # write consumed/*.jsonl: the sample ids of each (attempt, rank, step)
+    bucketing: bool = True  # length-bucketed batches; False: random batches (for comparison)
+    max_seq_len: int = 512  # longest row, in tokens; prepare splits longer documents
+    micro_batch_tokens: int = 2048  # padded tokens (rows x longest row) in one micro-batch
+    global_batch_tokens: int = 16384  # padded-token budget of one optimizer step, any world size
+    shuffle_window: int = 1024  # rows shuffled, sorted by length and bucketed together
+    prefetch_steps: int = 2  # steps assembled ahead of the loop by a background thread
+    reader: str = "pyarrow"  # pyarrow: each worker streams the shards itself; ray_data: Ray Data
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt"  # key of elastic_train.model.MODELS
+    vocab_size: int = 256  # byte-level
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    dropout: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300  # stop after this many optimizer steps ...
+    epochs: int = 1  # ... or after this many passes over the data, whichever comes first
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16: GPU only)
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    seed: int = 0  # model initialisation
+    max_consecutive_skips: int = 3  # non-finite steps in a row before rolling back
+    compile: bool = False  # torch.compile the model
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | adamw8bit
+    lr: float = 3e-3  # peak learning rate
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 20  # linear warmup, then cosine decay to min_lr_ratio * lr at max_steps
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 50  # 0: only at the end
+    keep: int = 2  # newest complete checkpoints kept
+
+
+@dataclass
+class FaultConfig:
+    crash_at_step: int | None = None  # test hook: that rank's process dies hard once at this step
+    crash_rank: int = 0
+    crash_in_checkpoint: bool = False  # die in the middle of writing the checkpoint of that step
+    nan_at_step: int | None = None  # test hook: poison one rank's gradient at this step
+    nan_rank: int = 0
+    nan_repeat: bool = False  # poison it on every attempt (tests rollback, then failure)
+
+
+@dataclass
+class LogConfig:
+    print_every_steps: int = 10  # a progress line every N steps when not on a terminal
+    progress: str = "auto"  # auto | bar | lines | none
+    tensorboard: bool = False
+    peak_flops: float = 1e12  # per worker, for the MFU estimate
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check (and widen int -> float) a YAML value against a field's annotation."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        _, vt = typing.get_args(tp)
+        return {str(k): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is dict:
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys by their dotted name."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown config key '{dotted}' (known: {', '.join(sorted(names))})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, dotted)
+        else:
+            kwargs[key] = _coerce(value, tp, dotted)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value); the value is read as a YAML scalar or flow mapping."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override '{text}': expected dotted.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({exc})") from None
+    return key.strip(), value
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None
+) -> Config:
+    """Load a config file (None: the embedded default), apply overrides, validate."""
+    source = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    if not source.is_file():
+        raise ConfigError(f"config file '{source}' does not exist")
+    try:
+        tree = yaml.safe_load(source.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file '{source}' is not valid YAML: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file '{source}': top level must be a mapping")
+    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
+    for key, value in items:
+        _set_dotted(tree, key, value)
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """Rebuild a Config from `Config.to_dict()` output (e.g. a checkpoint's saved config)."""
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that need no data and no cluster."""
+    s, d, t, o = cfg.scaling, cfg.data, cfg.train, cfg.optim
+    _require(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name: invalid {cfg.run.name!r}")
+    _require(s.min_workers >= 1, f"scaling.min_workers must be >= 1, got {s.min_workers}")
+    _require(
+        s.max_workers >= s.min_workers,
+        f"scaling.min_workers ({s.min_workers}) > scaling.max_workers ({s.max_workers})",
+    )
+    _require(s.cpus_per_worker > 0, "scaling.cpus_per_worker must be > 0")
+    _require(s.max_failures >= -1, "scaling.max_failures must be >= -1")
+    _require(d.max_seq_len >= 2, f"data.max_seq_len must be >= 2, got {d.max_seq_len}")
+    _require(
+        d.micro_batch_tokens >= d.max_seq_len,
+        f"data.micro_batch_tokens ({d.micro_batch_tokens}) is smaller than data.max_seq_len "
+        f"({d.max_seq_len}): the longest row would not fit in a micro-batch",
+    )
+    _require(
+        d.global_batch_tokens % d.micro_batch_tokens == 0,
+        f"data.global_batch_tokens ({d.global_batch_tokens}) is not a multiple of "
+        f"data.micro_batch_tokens ({d.micro_batch_tokens})",
+    )
+    partitions = d.global_batch_tokens // d.micro_batch_tokens
+    _require(
+        partitions >= s.max_workers,
+        f"data.global_batch_tokens ({d.global_batch_tokens}) cannot be split among "
+        f"scaling.max_workers ({s.max_workers}): it holds {partitions} micro-batches of "
+        f"data.micro_batch_tokens ({d.micro_batch_tokens}); it needs at least one per worker",
+    )
+    _require(d.shuffle_window >= 1, "data.shuffle_window must be >= 1")
+    _require(d.prefetch_steps >= 1, "data.prefetch_steps must be >= 1")
+    _require(d.reader in ("pyarrow", "ray_data"), f"data.reader must be pyarrow or ray_data, got {d.reader!r}")
+    _require(t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}")
+    _require(t.epochs >= 1, f"train.epochs must be >= 1, got {t.epochs}")
+    _require(
+        t.precision in ("fp32", "bf16", "fp16"),
+        f"train.precision must be fp32, bf16 or fp16, got {t.precision!r}",
+    )
+    _require(
+        t.precision != "fp16" or s.use_gpu,
+        "train.precision=fp16 needs scaling.use_gpu=true (fp16 autocast and GradScaler are "
+        "GPU features); use bf16 on CPU",
+    )
+    _require(t.max_consecutive_skips >= 1, "train.max_consecutive_skips must be >= 1")
+    _require(o.name in ("adamw", "adamw8bit"), f"optim.name must be adamw or adamw8bit, got {o.name!r}")
+    _require(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio must be in [0, 1]")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+    _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0")
+    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
+    _require(
+        cfg.model.d_model % cfg.model.n_head == 0,
+        f"model.d_model ({cfg.model.d_model}) is not divisible by model.n_head ({cfg.model.n_head})",
+    )
+    _require(
+        cfg.log.progress in ("auto", "bar", "lines", "none"),
+        f"log.progress must be auto, bar, lines or none, got {cfg.log.progress!r}",
+    )
+
+
+def num_partitions(cfg: Config) -> int:
+    """Canonical data partitions K: one micro-batch of each makes one global step."""
+    return cfg.data.global_batch_tokens // cfg.data.micro_batch_tokens

@@ -1,0 +1,257 @@
+"""The per-worker training loop: build, restore, then for each step forward/backward, step, log.
+
+It reads top to bottom like nanoGPT. Everything Ray-specific (checkpoints, data shard, logging actor)
+sits behind `WorkerEnv` (see `worker.py`), so the step itself (`train_step`) is plain torch and
+torch.distributed and runs in a 2-process gloo test without Ray.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_train.checkpoint import load_checkpoint, snapshot
+from elastic_train.config import Config, num_partitions
+from elastic_train.data import MicroBatch, Prefetcher, iter_rank_steps
+from elastic_train.model import build_model, model_flops_per_token, token_loss_sum
+from elastic_train.optim import build_optimizer, lr_at, set_lr
+from elastic_train.plan import owned_partitions
+
+
+@dataclass
+class TrainState:
+    """The trainer's own counters; saved in every checkpoint. (epoch, step_in_epoch) is the
+    data position: the next step to train is `step_in_epoch` of `epoch`."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+
+
+class NonFiniteError(RuntimeError):
+    """Gradients stayed non-finite after a rollback: the run stops and names the batch."""
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few numbers over all ranks in one collective (identity without a process group)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def autocast_context(precision: str, device: torch.device):
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    micro_batches: list[MicroBatch],
+    *,
+    global_targets: float,
+    world_size: int,
+    device: torch.device,
+    precision: str = "fp32",
+    scaler: Any = None,
+) -> torch.Tensor:
+    """Accumulate this rank's share of one global step's gradient; return its summed loss.
+
+    Each micro-batch's loss sum is scaled by world_size / global_targets: DDP averages over ranks,
+    so the result is the gradient of (total loss / total real targets) over the global batch, the
+    same as one process computes on the whole batch. DDP syncs only on the last backward.
+    """
+    ddp = isinstance(model, DistributedDataParallel)
+    scale = world_size / max(global_targets, 1.0)
+    backward = (lambda x: scaler.scale(x).backward()) if scaler is not None else torch.Tensor.backward
+    total = torch.zeros((), device=device)
+    if not micro_batches:
+        # This rank's partitions ran dry in the epoch's last steps: join the all-reduce with zeros.
+        with autocast_context(precision, device):
+            backward(sum(p.sum() for p in model.parameters()) * 0.0)
+        return total
+    for i, mb in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with nullcontext() if (last or not ddp) else model.no_sync():
+            tokens = torch.from_numpy(mb.tokens).to(device, non_blocking=True)
+            lengths = torch.from_numpy(mb.lengths).to(device, non_blocking=True)
+            with autocast_context(precision, device):
+                loss_sum, _ = token_loss_sum(model, tokens, lengths)
+            backward(loss_sum * scale)
+        total += loss_sum.detach().float()
+    return total
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    grad_clip: float,
+    local_loss: torch.Tensor,
+    device: torch.device,
+) -> tuple[float, float, bool]:
+    """Clip and step unless any rank saw a non-finite gradient: (loss sum, grad norm, skipped)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), grad_clip if grad_clip > 0 else float("inf")
+    )
+    nonfinite = 0.0 if math.isfinite(float(norm)) else 1.0
+    loss_sum, any_nonfinite = all_reduce_sum([float(local_loss), nonfinite], device)
+    if any_nonfinite:
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
+        return loss_sum, float(norm), True
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return loss_sum, float(norm), False
+
+
+def _step_record(cfg: Config, state: TrainState, **fields: Any) -> dict[str, Any]:
+    record = {"step": state.step, "epoch": state.epoch, "time": time.time()}
+    record.update(fields)
+    record.update(skipped_steps=state.skipped_steps)
+    return record
+
+
+def train_loop(cfg: Config, env) -> None:
+    """Run (or resume) training on this worker until max_steps or the last epoch."""
+    torch.manual_seed(cfg.train.seed)
+    device, rank, world_size = env.device, env.world_rank, env.world_size
+    model = build_model(cfg.model, cfg.data.max_seq_len)
+    raw_model = model
+    optimizer = build_optimizer(model, cfg.optim, cfg.scaling.use_gpu)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16) if cfg.train.precision == "fp16" else None
+    state = TrainState()
+    ckpt_dir = env.latest_checkpoint_dir()
+    if ckpt_dir is not None:
+        state = TrainState(**load_checkpoint(ckpt_dir, raw_model, optimizer, scaler))
+    model = env.prepare_model(model)
+    if cfg.train.compile:
+        model = torch.compile(model)
+    attempt = env.begin_attempt()
+    partitions = owned_partitions(rank, world_size, num_partitions(cfg))
+    flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len)
+    process = psutil.Process()
+    env.log_event({"event": "start", "attempt": attempt, "world_size": world_size,
+                   "resumed_step": state.step, "rank": rank})
+
+    while state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
+        stream = Prefetcher(
+            iter_rank_steps(
+                env.epoch_rows(state.epoch),
+                partitions=partitions,
+                num_partitions=num_partitions(cfg),
+                micro_batch_tokens=cfg.data.micro_batch_tokens,
+                shuffle_window=cfg.data.shuffle_window,
+                seed=cfg.data.seed,
+                epoch=state.epoch,
+                bucketing=cfg.data.bucketing,
+                start_step=state.step_in_epoch,
+            ),
+            cfg.data.prefetch_steps,
+        )
+        try:
+            while state.step < cfg.train.max_steps:
+                t0 = time.perf_counter()
+                micro_batches, wait_s = stream.next()
+                n_mb, targets, real, padded = all_reduce_sum(
+                    [len(micro_batches), sum(mb.targets for mb in micro_batches),
+                     sum(mb.real_tokens for mb in micro_batches),
+                     sum(mb.padded_tokens for mb in micro_batches)],
+                    device,
+                )
+                if n_mb == 0:  # every rank's partitions are exhausted: the epoch is over
+                    state.epoch, state.step_in_epoch = state.epoch + 1, 0
+                    break
+                lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
+                set_lr(optimizer, lr)
+                optimizer.zero_grad(set_to_none=True)
+                t1 = time.perf_counter()
+                local_loss = forward_backward(
+                    model, micro_batches, global_targets=targets, world_size=world_size,
+                    device=device, precision=cfg.train.precision, scaler=scaler,
+                )
+                env.maybe_poison_gradient(raw_model, state.step + 1)
+                t2 = time.perf_counter()
+                loss_sum, grad_norm, skipped = optimizer_step(
+                    model, optimizer, scaler, cfg.train.grad_clip, local_loss, device
+                )
+                t3 = time.perf_counter()
+                if skipped:
+                    state.skipped_steps += 1
+                    state.consecutive_skips += 1
+                    if state.consecutive_skips >= cfg.train.max_consecutive_skips:
+                        env.handle_nonfinite(state.step + 1, micro_batches)
+                else:
+                    state.consecutive_skips = 0
+                state.step += 1
+                state.step_in_epoch += 1
+                state.real_tokens += int(real)
+                state.padded_tokens += int(padded)
+                env.log_consumed(attempt, state, micro_batches)
+                step_time_s = time.perf_counter() - t0
+                if rank == 0:
+                    env.log_step(_step_record(
+                        cfg, state, attempt=attempt, world_size=world_size,
+                        loss=loss_sum / max(targets, 1.0), lr=lr, grad_norm=grad_norm,
+                        real_tokens=int(real), padded_tokens=int(padded),
+                        step_time_s=step_time_s, data_wait_s=wait_s,
+                        forward_backward_s=t2 - t1, optimizer_s=t3 - t2,
+                        tokens_per_s=real / step_time_s,
+                        mfu=flops_per_token * real / step_time_s
+                        / (cfg.log.peak_flops * world_size),
+                        rss_bytes=process.memory_info().rss, skipped=skipped,
+                        micro_batches=int(n_mb), **_cuda_memory(device),
+                    ))
+                env.maybe_crash(state.step)
+                if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
+                    save(env, cfg, raw_model, optimizer, scaler, state, final=False)
+        finally:
+            stream.close()
+    save(env, cfg, raw_model, optimizer, scaler, state, final=True)
+
+
+def _cuda_memory(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {}
+    return {"cuda_allocated_bytes": torch.cuda.memory_allocated(device),
+            "cuda_reserved_bytes": torch.cuda.memory_reserved(device)}
+
+
+def save(env, cfg: Config, model, optimizer, scaler, state: TrainState, final: bool) -> float:
+    """Snapshot on rank 0 (the blocking part) and hand it to Ray to write in the background."""
+    t0 = time.perf_counter()
+    snap = None
+    if env.world_rank == 0:
+        snap = snapshot(model, optimizer, scaler, asdict(state), cfg.to_dict(), env.world_size)
+    env.save_checkpoint(snap, state.step, final=final)
+    blocked_s = time.perf_counter() - t0
+    if env.world_rank == 0:
+        env.log_event({"event": "checkpoint", "step": state.step, "blocked_s": blocked_s,
+                       "final": final})
+    return blocked_s
+
+
+def maybe_exit_hard() -> None:
+    """Die like a killed process: no cleanup, no exception handling."""
+    os._exit(1)

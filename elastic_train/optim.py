@@ -1,0 +1,77 @@
+"""Optimizer builder and the learning-rate schedule.
+
+There is no LR scheduler object: `lr_at(step, ...)` is a pure function of the optimizer step, and
+the loop calls `set_lr(optimizer, lr_at(step, ...))` before each step. The schedule's whole state is
+therefore the step counter, which the checkpoint keeps anyway.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from elastic_train.config import OptimConfig
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices and embeddings (>= 2-D); leave norms and biases undecayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(
+    model: nn.Module, optim_cfg: OptimConfig, use_gpu: bool
+) -> torch.optim.Optimizer:
+    """AdamW ("adamw", fused on CUDA) or bitsandbytes AdamW8bit ("adamw8bit", CPU or GPU).
+
+    Build it after moving the model to its device: fused AdamW checks its parameters' device.
+    """
+    groups = _param_groups(model, optim_cfg.weight_decay)
+    betas = (optim_cfg.beta1, optim_cfg.beta2)
+    if optim_cfg.name == "adamw":
+        fused = True if use_gpu and torch.cuda.is_available() else None
+        return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=betas, fused=fused)
+    if optim_cfg.name == "adamw8bit":
+        import bitsandbytes as bnb  # imported lazily: slow to import, only needed here
+
+        # Tensors under bnb's min_8bit_size (4096 elements) keep 32-bit state.
+        return bnb.optim.AdamW8bit(groups, lr=optim_cfg.lr, betas=betas)
+    raise ValueError(f"optim.name: unknown optimizer {optim_cfg.name!r} (known: adamw, adamw8bit)")
+
+
+def lr_at(step: int, optim_cfg: OptimConfig, max_steps: int) -> float:
+    """LR of optimizer step `step` (0-based): linear warmup, cosine decay, then flat.
+
+    Steps 0 .. warmup_steps - 1 ramp lr * (step + 1) / warmup_steps; from warmup_steps the LR
+    follows a cosine from lr down to min_lr_ratio * lr, reached at max_steps and kept after it.
+    """
+    peak = optim_cfg.lr
+    if step < optim_cfg.warmup_steps:
+        return peak * (step + 1) / optim_cfg.warmup_steps
+    floor = optim_cfg.min_lr_ratio * peak
+    decay_steps = max_steps - optim_cfg.warmup_steps
+    progress = 1.0 if decay_steps <= 0 else min(1.0, (step - optim_cfg.warmup_steps) / decay_steps)
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - floor)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every parameter group."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the tensors in `optimizer.state` (moments, 8-bit states, absmax, qmaps)."""
+    seen: set[int] = set()
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.data_ptr() not in seen:
+                seen.add(value.data_ptr())  # a tensor shared by several parameters counts once
+                total += value.numel() * value.element_size()
+    return total

@@ -1,0 +1,142 @@
+"""The run folder's files, written by one small Ray actor that lives on the driver's node.
+
+Workers send it per-step metrics (rank 0) and consumed sample ids (every rank) as fire-and-forget
+calls, so the loop never waits for storage and never calls `ray.train.report` just to log. The
+actor appends to `metrics.jsonl` and `consumed/*.jsonl`, keeps `attempts.json` (the world size and
+start time of every attempt: restarts survive a driver restart too), and serves the latest state to
+the driver's progress display. For a remote `run.storage_path` (s3://, gs://, ...) it writes a local
+staging copy and uploads it on `flush`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray
+
+RUN_FILES = ("metrics.jsonl", "attempts.json", "events.jsonl", "faults.json", "summary.json")
+
+
+def split_uri(path: str) -> tuple[pafs.FileSystem, str, bool]:
+    """(filesystem, path in it, is_local) for a local folder or a pyarrow.fs URI."""
+    if "://" in path:
+        fs, fs_path = pafs.FileSystem.from_uri(path)
+        return fs, fs_path, isinstance(fs, pafs.LocalFileSystem)
+    return pafs.LocalFileSystem(), os.path.abspath(path), True
+
+
+class RunFolder:
+    """Files of `<storage_path>/<name>/`; for remote storage through a local staging folder."""
+
+    def __init__(self, run_uri: str) -> None:
+        self.fs, self.remote_path, self.is_local = split_uri(run_uri)
+        if self.is_local:
+            self.local = Path(self.remote_path)
+        else:
+            self.local = Path(tempfile.mkdtemp(prefix="elastic-train-run-"))
+            self._download()
+        self.local.mkdir(parents=True, exist_ok=True)
+
+    def _download(self) -> None:
+        selector = pafs.FileSelector(self.remote_path, allow_not_found=True, recursive=True)
+        for info in self.fs.get_file_info(selector):
+            rel = os.path.relpath(info.path, self.remote_path)
+            if info.type == pafs.FileType.File and not rel.startswith("checkpoint"):
+                dest = self.local / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with self.fs.open_input_stream(info.path) as src:
+                    dest.write_bytes(src.read())
+
+    def path(self, name: str) -> Path:
+        return self.local / name
+
+    def append(self, name: str, lines: list[str]) -> None:
+        path = self.local / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+    def write(self, name: str, text: str) -> None:
+        path = self.local / name
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    def read_json(self, name: str, default: Any) -> Any:
+        path = self.local / name
+        return json.loads(path.read_text()) if path.is_file() else default
+
+    def sync(self) -> None:
+        """Upload the staging copy (remote storage only)."""
+        if not self.is_local:
+            self.fs.create_dir(self.remote_path, recursive=True)
+            pafs.copy_files(str(self.local), self.remote_path, destination_filesystem=self.fs)
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class RunLog:
+    """One per run; see the module docstring."""
+
+    def __init__(self, run_uri: str, flush_interval_s: float = 10.0) -> None:
+        self.folder = RunFolder(run_uri)
+        self.attempts: list[dict] = self.folder.read_json("attempts.json", [])
+        self.faults: dict[str, bool] = self.folder.read_json("faults.json", {})
+        self.latest: dict[str, Any] | None = None
+        self.fatal: str | None = None
+        self.flush_interval_s = flush_interval_s
+        self._last_sync = time.time()
+
+    def begin_attempt(self, world_size: int) -> int:
+        """Record a new attempt (a start or restart of the worker group); return its index."""
+        self.attempts.append({"attempt": len(self.attempts), "world_size": world_size,
+                              "start_time": time.time()})
+        self.folder.write("attempts.json", json.dumps(self.attempts))
+        return len(self.attempts) - 1
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        self.latest = record
+        self.folder.append("metrics.jsonl", [json.dumps(record)])
+        self._maybe_sync()
+
+    def log_consumed(self, world_rank: int, attempt: int, lines: list[dict[str, Any]]) -> None:
+        self.folder.append(f"consumed/attempt{attempt:03d}-rank{world_rank:03d}.jsonl",
+                           [json.dumps(line) for line in lines])
+
+    def log_event(self, record: dict[str, Any]) -> None:
+        self.folder.append("events.jsonl", [json.dumps({"time": time.time(), **record})])
+
+    def claim_fault(self, key: str) -> bool:
+        """True the first time `key` is claimed in this run folder: a fault fires once."""
+        if self.faults.get(key):
+            return False
+        self.faults[key] = True
+        self.folder.write("faults.json", json.dumps(self.faults))
+        return True
+
+    def set_fatal(self, message: str) -> None:
+        """A worker decided the run cannot go on (e.g. non-finite gradients after a rollback)."""
+        self.fatal = message
+        self.log_event({"event": "fatal", "message": message})
+
+    def progress(self) -> dict[str, Any]:
+        return {"latest": self.latest, "attempts": self.attempts, "fatal": self.fatal}
+
+    def local_folder(self) -> str:
+        return str(self.folder.local)
+
+    def write_file(self, name: str, text: str) -> None:
+        self.folder.write(name, text)
+
+    def _maybe_sync(self) -> None:
+        if not self.folder.is_local and time.time() - self._last_sync > self.flush_interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self.folder.sync()
+        self._last_sync = time.time()

@@ -1,0 +1,103 @@
+"""summary.json from the run folder's logs: totals, attempts, and the goodput ledger.
+
+A step's effective record is the one of its latest attempt: steps replayed after a restart are
+counted once, and the superseded records are the work a failure cost ("replayed").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+    return out
+
+
+def effective_records(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """step -> the record of that step's latest attempt."""
+    latest: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        old = latest.get(rec["step"])
+        if old is None or rec["attempt"] >= old["attempt"]:
+            latest[rec["step"]] = rec
+    return dict(sorted(latest.items()))
+
+
+def ledger(records: list[dict], events: list[dict], start_time: float, end_time: float) -> dict:
+    """Split this fit's wall time into start-up, productive, recovery, replayed, checkpoint
+    blocking, data wait and the rest (shutdown, logging)."""
+    fit = [r for r in records if r["time"] >= start_time]
+    effective = effective_records(fit)
+    kept = {id(r) for r in effective.values()}
+    wall = max(end_time - start_time, 1e-9)
+    parts = {"startup_s": 0.0, "productive_s": 0.0, "recovery_s": 0.0, "replayed_s": 0.0,
+             "checkpoint_s": 0.0, "data_wait_s": 0.0}
+    previous_end = None
+    previous_attempt = None
+    for rec in fit:
+        begin = rec["time"] - rec["step_time_s"]
+        if previous_attempt is None:
+            parts["startup_s"] = begin - start_time
+        elif rec["attempt"] != previous_attempt:
+            parts["recovery_s"] += max(begin - previous_end, 0.0)
+        previous_end, previous_attempt = rec["time"], rec["attempt"]
+        parts["data_wait_s"] += rec["data_wait_s"]
+        compute = rec["step_time_s"] - rec["data_wait_s"]
+        parts["productive_s" if id(rec) in kept else "replayed_s"] += compute
+    parts["checkpoint_s"] = sum(
+        e.get("blocked_s", 0.0) for e in events
+        if e.get("event") == "checkpoint" and e["time"] >= start_time
+    )
+    if not fit:
+        parts["startup_s"] = wall
+    parts["other_s"] = wall - sum(parts.values())
+    parts["wall_s"] = wall
+    parts["goodput"] = parts["productive_s"] / wall
+    return parts
+
+
+def build_summary(folder: str | Path, start_time: float, error: str | None = None) -> dict:
+    folder = Path(folder)
+    end_time = time.time()
+    records = read_jsonl(folder / "metrics.jsonl")
+    events = read_jsonl(folder / "events.jsonl")
+    attempts = json.loads((folder / "attempts.json").read_text()) if (
+        folder / "attempts.json").is_file() else []
+    effective = effective_records(records)
+    last = effective[max(effective)] if effective else {}
+    real = sum(r["real_tokens"] for r in effective.values())
+    padded = sum(r["padded_tokens"] for r in effective.values())
+    fit_real = sum(r["real_tokens"] for r in effective.values() if r["time"] >= start_time)
+    wall = end_time - start_time
+    summary = {
+        "status": "failed" if error else "finished",
+        "reason": error,
+        "steps": last.get("step", 0),
+        "epochs_completed": last.get("epoch", 0),
+        "final_loss": last.get("loss"),
+        "first_loss": effective[min(effective)]["loss"] if effective else None,
+        "real_tokens": real,
+        "padded_tokens": padded,
+        "padding_efficiency": real / padded if padded else None,
+        "wall_s": wall,
+        "tokens_per_s": fit_real / wall if wall > 0 else None,
+        "restarts": max(len(attempts) - 1, 0),
+        "world_sizes": [a["world_size"] for a in attempts],
+        "skipped_steps": last.get("skipped_steps", 0),
+        "replayed_steps": len(records) - len(effective),
+        "ledger": ledger(records, events, start_time, end_time),
+    }
+    summary["goodput"] = summary["ledger"]["goodput"]
+    return summary

@@ -1,0 +1,168 @@
+"""The one seam between the training loop and Ray Train: `RayWorkerEnv`, and the worker entry.
+
+Everything the loop needs from the outside world goes through here: the device and ranks, the data
+rows of an epoch (the Ray Data shard), the latest checkpoint, saving one, logging (to the RunLog
+actor), and the fault-injection hooks that tests use.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from ray.train import Checkpoint
+from ray.train.v2.api.report_config import CheckpointUploadMode
+
+from elastic_train.checkpoint import write_checkpoint
+from elastic_train.config import Config, config_from_dict
+from elastic_train.data import iter_parquet_batches, iter_ray_batches
+
+
+def _broadcast_from_rank0(value: Any) -> Any:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+class RayWorkerEnv:
+    """What `loop.train_loop` sees of Ray Train on one worker."""
+
+    def __init__(self, cfg: Config, runlog, files: list[str]) -> None:
+        ctx = ray.train.get_context()
+        self.cfg = cfg
+        self.runlog = runlog
+        self.files = files
+        self.world_rank = ctx.get_world_rank()
+        self.world_size = ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+        self.attempt = -1
+        self.last_saved_step = -1
+        self._nonfinite_pending: list[int] = []
+
+    # -- model, data, checkpoints --------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return ray.train.torch.prepare_model(model)
+
+    def epoch_rows(self, epoch: int):
+        if self.cfg.data.reader == "ray_data":
+            return iter_ray_batches(ray.train.get_dataset_shard("train"))
+        return iter_parquet_batches(self.files)
+
+    def latest_checkpoint_dir(self) -> str | None:
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        # A local path when storage is local; otherwise downloaded into a temporary folder.
+        local = checkpoint.to_directory()
+        state_path = os.path.join(local, "state.json")
+        if os.path.exists(state_path):
+            import json
+
+            with open(state_path) as f:
+                self.last_saved_step = json.load(f)["train_state"]["step"]
+        return local
+
+    def save_checkpoint(self, snap: dict | None, step: int, final: bool) -> None:
+        """Every rank reports (a barrier); rank 0 carries the snapshot, written in the background."""
+        if step == self.last_saved_step:
+            return
+        self.last_saved_step = step
+        crash = (
+            self.cfg.fault.crash_in_checkpoint
+            and self.cfg.fault.crash_at_step == step
+            and snap is not None
+            and ray.get(self.runlog.claim_fault.remote(f"crash_in_checkpoint@{step}"))
+        )
+        checkpoint, upload_fn = None, None
+        if snap is not None:
+            checkpoint = Checkpoint.from_directory(tempfile.mkdtemp(prefix="elastic-train-ckpt-"))
+
+            def upload_fn(ckpt: Checkpoint, dir_name: str) -> Checkpoint:
+                write_checkpoint(snap, ckpt.path, crash_midway=crash)
+                storage = ray.train.get_context().get_storage()
+                return storage.persist_current_checkpoint(ckpt, dir_name)
+
+        ray.train.report(
+            {"step": step},
+            checkpoint=checkpoint,
+            checkpoint_dir_name=f"checkpoint_{step:09d}",
+            checkpoint_upload_mode=CheckpointUploadMode.SYNC if final else CheckpointUploadMode.ASYNC,
+            checkpoint_upload_fn=upload_fn,
+        )
+
+    # -- logging ---------------------------------------------------------------------------------
+    def begin_attempt(self) -> int:
+        attempt = None
+        if self.world_rank == 0:
+            attempt = ray.get(self.runlog.begin_attempt.remote(self.world_size))
+        self.attempt = _broadcast_from_rank0(attempt)
+        return self.attempt
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        self.runlog.log_step.remote(record)
+
+    def log_event(self, record: dict[str, Any]) -> None:
+        self.runlog.log_event.remote(record)
+
+    def log_consumed(self, attempt: int, state, micro_batches) -> None:
+        if not self.cfg.data.record_ids:
+            return
+        ids = np.concatenate([mb.ids for mb in micro_batches]).tolist() if micro_batches else []
+        line = {"attempt": attempt, "rank": self.world_rank, "step": state.step,
+                "epoch": state.epoch if state.step_in_epoch else state.epoch - 1, "ids": ids}
+        self.runlog.log_consumed.remote(self.world_rank, attempt, [line])
+
+    # -- fault injection and the non-finite policy ----------------------------------------------
+    def maybe_crash(self, step: int) -> None:
+        f = self.cfg.fault
+        if f.crash_in_checkpoint or f.crash_at_step != step or f.crash_rank != self.world_rank:
+            return
+        if ray.get(self.runlog.claim_fault.remote(f"crash@{step}")):
+            self.runlog.log_event.remote({"event": "crash_injected", "step": step,
+                                          "rank": self.world_rank})
+            os._exit(1)
+
+    def maybe_poison_gradient(self, model: torch.nn.Module, step: int) -> None:
+        f = self.cfg.fault
+        if f.nan_at_step != step or f.nan_rank != self.world_rank:
+            return
+        if f.nan_repeat or ray.get(self.runlog.claim_fault.remote(f"nan@{step}")):
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+
+    def handle_nonfinite(self, step: int, micro_batches) -> None:
+        """Too many non-finite steps in a row: roll back once (restart from the last checkpoint);
+        the second time at the same step, stop the run naming the step and its sample ids."""
+        from elastic_train.loop import NonFiniteError
+
+        ids = sorted(int(i) for mb in micro_batches for i in mb.ids)
+        first_time = None
+        if self.world_rank == 0:
+            first_time = ray.get(self.runlog.claim_fault.remote(f"rollback@{step}"))
+        first_time = _broadcast_from_rank0(first_time)
+        if first_time:
+            self.runlog.log_event.remote({"event": "rollback", "step": step})
+            raise NonFiniteError(f"non-finite gradients up to step {step}: rolling back")
+        message = (f"non-finite gradients at step {step} again after a rollback; rank "
+                   f"{self.world_rank}'s sample ids of that batch: {ids[:64]}")
+        self.runlog.set_fatal.remote(message) if self.world_rank == 0 else None
+        raise NonFiniteError(message)
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    """Entry point of every Ray Train worker (`train_loop_per_worker`)."""
+    from elastic_train.loop import train_loop
+
+    cfg = config_from_dict(config["config"])
+    if not cfg.scaling.use_gpu:
+        torch.set_num_threads(cfg.scaling.torch_threads)
+    env = RayWorkerEnv(cfg, config["runlog"], config["files"])
+    train_loop(cfg, env)

@@ -1,0 +1,311 @@
+"""Tests for elastic_train.prepare: text files to Parquet shards, and checking shards."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from elastic_train import prepare as prepare_module
+from elastic_train.plan import bucket_window
+from elastic_train.prepare import (
+    default_corpus_dir,
+    inspect_dataset,
+    prepare,
+    split_document_spans,
+    stdlib_source_files,
+)
+
+pytestmark = pytest.mark.unit
+
+PY_SOURCE = '''"""A module."""
+import os
+
+
+@decorator
+@other(
+    arg=1,
+)
+def first():
+    return 1
+
+
+class Second:
+    """Prose in a docstring:
+    class and def words that start a line do not cut it.
+    """
+    x = 1
+    # A comment block directly above a method
+    # stays with it.
+    @property
+    def method(self):
+        def inner():
+            pass
+
+        return inner
+
+async def third():
+    """Unicode: h\u00e9llo w\u00f6rld \u2603."""
+'''
+
+TEXT = "First paragraph,\ntwo lines.\n\n\nSecond paragraph.\n  \n\nThird " + "long " * 80 + "end.\n"
+
+
+def write_inputs(root: Path) -> list[Path]:
+    """A small tree of .py, .txt and .md files, one document longer than 64 bytes."""
+    (root / "pkg" / "sub").mkdir(parents=True)
+    files = [root / "pkg" / "mod.py", root / "pkg" / "sub" / "notes.txt", root / "readme.md"]
+    files[0].write_text(PY_SOURCE)
+    files[1].write_text(TEXT)
+    files[2].write_text("# Title\n\nSome *markdown*.\n")
+    (root / "pkg" / "empty.txt").write_text("")
+    (root / "pkg" / "image.bin").write_bytes(b"\x00\x01")  # not a text suffix: skipped
+    return files
+
+
+def read_all(folder: Path) -> pa.Table:
+    """All shards of a prepared folder, concatenated in file order."""
+    return pa.concat_tables(pq.read_table(path) for path in sorted(folder.glob("*.parquet")))
+
+
+def reconstruct(table: pa.Table) -> dict[str, bytes]:
+    """Each source file's bytes, rebuilt from its rows ordered by offset."""
+    pieces = defaultdict(list)
+    for row in table.select(["source", "offset", "tokens"]).to_pylist():
+        pieces[row["source"]].append((row["offset"], bytes(row["tokens"])))
+    return {source: b"".join(chunk for _, chunk in sorted(rows)) for source, rows in pieces.items()}
+
+
+def test_round_trip_reconstructs_every_file(tmp_path):
+    files = write_inputs(tmp_path / "in")
+    stats = prepare([tmp_path / "in"], tmp_path / "out", max_seq_len=64, rows_per_shard=5)
+    table = read_all(tmp_path / "out")
+    ids = table.column("id").to_numpy()
+    lengths = table.column("length").to_numpy()
+    assert sorted(ids) == list(range(len(table)))
+    assert table.schema.field("id").type == pa.int64()
+    assert table.schema.field("length").type == pa.int32()
+    assert list(lengths) == [len(tokens) for tokens in table.column("tokens").to_pylist()]
+    assert lengths.max() <= 64 and lengths.min() >= 1
+    assert reconstruct(table) == {str(path): path.read_bytes() for path in files}
+    total_bytes = sum(path.stat().st_size for path in files)
+    assert stats == {"rows": len(table), "tokens": total_bytes, "max_seq_len": 64,
+                     "shards": len(list((tmp_path / "out").glob("part-*.parquet"))),
+                     "source_files": 4}  # the empty file was read too
+    assert stats["shards"] == -(-len(table) // 5)
+    assert json.loads((tmp_path / "out" / "_prepare.json").read_text()) == stats
+
+
+def test_python_split_at_every_def_keeps_decorators_and_comments_with_it():
+    data = PY_SOURCE.encode()
+    spans = split_document_spans(data, python=True, max_seq_len=10_000)
+    docs = [data[start:end].decode() for start, end in spans]
+    assert [doc.split("\n")[0] for doc in docs] == [
+        '"""A module."""', "@decorator", "class Second:",
+        "    # A comment block directly above a method", "        def inner():",
+        "async def third():"]
+    assert docs[3].split("\n")[2:4] == ["    @property", "    def method(self):"]
+    assert docs[4].endswith("        return inner\n\n")  # the rest of the outer body
+    assert "".join(docs) == PY_SOURCE
+
+
+def test_comment_separated_from_def_by_code_or_blank_line_is_not_attached():
+    source = "x = 1\n# about x\ny = 2\ndef f():\n    pass\n# about g\n\ndef g(): pass\n"
+    spans = split_document_spans(source.encode(), python=True, max_seq_len=10_000)
+    docs = [source[start:end] for start, end in spans]
+    assert docs == ["x = 1\n# about x\ny = 2\n", "def f():\n    pass\n# about g\n\n",
+                    "def g(): pass\n"]
+
+
+def test_long_python_definition_is_cut_at_blank_lines_into_paragraph_groups():
+    body = "".join(f"    step_{i} = {i}\n\n" for i in range(10))  # 10 paragraphs of 16 bytes
+    source = "def long():\n" + body + "def short():\n    pass\n"
+    data = source.encode()
+    docs = [data[start:end] for start, end in split_document_spans(data, python=True,
+                                                                     max_seq_len=64)]
+    assert b"".join(docs) == data
+    # 172 bytes > 64: cut into groups of whole paragraphs of at most 64 // 2 bytes.
+    assert docs[0] == b"def long():\n    step_0 = 0\n\n"
+    assert docs[1:5] == [b"    step_%d = %d\n\n    step_%d = %d\n\n" % (i, i, i + 1, i + 1)
+                         for i in range(1, 9, 2)]
+    assert docs[5:] == [b"    step_9 = 9\n\n", b"def short():\n    pass\n"]
+    # A definition that fits max_seq_len stays whole, blank lines and all.
+    whole = split_document_spans(data, python=True, max_seq_len=200)
+    assert [data[start:end] for start, end in whole] == [data[:-22], data[-22:]]
+
+
+def test_text_split_keeps_blank_lines_with_paragraph_before():
+    data = TEXT.encode()
+    spans = split_document_spans(data, python=False, max_seq_len=10_000)
+    docs = [data[start:end] for start, end in spans]
+    assert docs[0] == b"First paragraph,\ntwo lines.\n\n\n"
+    assert docs[1] == b"Second paragraph.\n  \n\n"
+    assert docs[2].startswith(b"Third") and len(docs) == 3
+
+
+def test_long_document_is_split_into_chunks_not_dropped(tmp_path):
+    text = "x" * 250 + "\n"
+    (tmp_path / "long.txt").write_text(text)
+    stats = prepare([tmp_path / "long.txt"], tmp_path / "out", max_seq_len=100)
+    table = read_all(tmp_path / "out")
+    assert sorted(table.column("length").to_pylist()) == [51, 100, 100]
+    assert stats["rows"] == 3 and stats["tokens"] == 251
+    assert reconstruct(table) == {str(tmp_path / "long.txt"): text.encode()}
+
+
+def test_shuffle_is_seeded_and_deterministic(tmp_path):
+    write_inputs(tmp_path / "in")
+    for name, seed in [("a", 1), ("b", 1), ("c", 2)]:
+        prepare([tmp_path / "in"], tmp_path / name, max_seq_len=32, seed=seed)
+    orders = {name: read_all(tmp_path / name).column("offset").to_pylist() for name in "abc"}
+    assert orders["a"] == orders["b"]
+    shards = sorted(path.name for path in (tmp_path / "a").iterdir())
+    assert all((tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+               for name in shards)  # written byte for byte the same
+    assert orders["a"] != orders["c"]
+
+
+def test_refuses_to_overwrite_existing_shards(tmp_path):
+    write_inputs(tmp_path / "in")
+    prepare([tmp_path / "in"], tmp_path / "out")
+    before = (tmp_path / "out" / "part-00000.parquet").read_bytes()
+    with pytest.raises(ValueError, match="already contains Parquet files") as info:
+        prepare([tmp_path / "in"], tmp_path / "out", seed=5)
+    assert str(tmp_path / "out") in str(info.value)
+    assert (tmp_path / "out" / "part-00000.parquet").read_bytes() == before
+
+
+def test_missing_input_names_the_path(tmp_path):
+    with pytest.raises(ValueError, match="does not exist") as info:
+        prepare([tmp_path / "nope"], tmp_path / "out")
+    assert str(tmp_path / "nope") in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_input_is_refused(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="no input text found"):
+        prepare([tmp_path / "in"], tmp_path / "out")
+    with pytest.raises(ValueError, match="no input text found"):
+        prepare([], tmp_path / "out")
+
+
+def test_inspect_dataset_reads_metadata(tmp_path):
+    write_inputs(tmp_path / "in")
+    stats = prepare([tmp_path / "in"], tmp_path / "out", max_seq_len=64, rows_per_shard=4)
+    info = inspect_dataset(str(tmp_path / "out"))
+    assert info.rows == stats["rows"]
+    assert info.max_length == 64
+    assert info.files == sorted(info.files) and len(info.files) == stats["shards"]
+    assert info.path == str(tmp_path / "out")
+    assert inspect_dataset(f"file://{tmp_path / 'out'}").rows == stats["rows"]
+
+
+def test_inspect_dataset_without_statistics_reads_length(tmp_path):
+    (tmp_path / "ds").mkdir()
+    lengths = pa.array([3, 1], pa.int32())
+    table = pa.table({"id": [0, 1], "tokens": [[1, 2, 3], [4]], "length": lengths})
+    pq.write_table(table, tmp_path / "ds" / "a.parquet", write_statistics=False)
+    info = inspect_dataset(str(tmp_path / "ds"))
+    assert (info.rows, info.max_length) == (2, 3)
+
+
+def test_inspect_dataset_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        inspect_dataset(str(tmp_path / "nope"))
+    (tmp_path / "blank").mkdir()
+    with pytest.raises(ValueError, match="no .parquet files"):
+        inspect_dataset(str(tmp_path / "blank"))
+    (tmp_path / "cols").mkdir()
+    pq.write_table(pa.table({"id": [0], "text": ["a"]}), tmp_path / "cols" / "x.parquet")
+    with pytest.raises(ValueError, match="missing required column.*tokens, length") as info:
+        inspect_dataset(str(tmp_path / "cols"))
+    assert "x.parquet" in str(info.value)
+    (tmp_path / "kind").mkdir()
+    bad_length = pa.table({"id": [0], "tokens": [[1]], "length": ["1"]})
+    pq.write_table(bad_length, tmp_path / "kind" / "x.parquet")
+    with pytest.raises(ValueError, match="'length' must be an integer"):
+        inspect_dataset(str(tmp_path / "kind"))
+    (tmp_path / "empty").mkdir()
+    schema = pa.schema(
+        [("id", pa.int64()), ("tokens", pa.list_(pa.int16())), ("length", pa.int32())])
+    pq.write_table(schema.empty_table(), tmp_path / "empty" / "part-00000.parquet")
+    with pytest.raises(ValueError, match="is empty") as info:
+        inspect_dataset(str(tmp_path / "empty"))
+    assert str(tmp_path / "empty") in str(info.value)
+
+
+def padding_efficiency(lengths: np.ndarray, *, bucketing: bool, window: int = 2048) -> float:
+    """Real tokens over padded tokens (rows x longest row) of the micro-batches that
+    `bucket_window` makes from consecutive windows of `lengths`."""
+    rng = np.random.default_rng(0)
+    real = padded = 0
+    for first in range(0, len(lengths), window):
+        rows = lengths[first:first + window]
+        for batch in bucket_window(rows, micro_batch_tokens=4096, rng=rng, bucketing=bucketing):
+            real += int(rows[batch].sum())
+            padded += len(batch) * int(rows[batch].max())
+    return real / padded
+
+
+def test_default_corpus_is_cached_long_tailed_and_quick(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTIC_TRAIN_CACHE", str(tmp_path / "cache"))
+    started = time.perf_counter()
+    folder = default_corpus_dir(max_seq_len=256)
+    assert time.perf_counter() - started < 20
+    assert folder.parent == tmp_path / "cache" and folder.name.startswith("stdlib-256-")
+    assert folder.name.endswith(f"-v{prepare_module.CORPUS_FORMAT}")  # old caches not reused
+    assert [path.name for path in (tmp_path / "cache").iterdir()] == [folder.name]  # no leftovers
+    stats = json.loads((folder / "_prepare.json").read_text())
+    assert 1_000_000 < stats["tokens"] < 6_000_000 and stats["max_seq_len"] == 256
+    info = inspect_dataset(str(folder))
+    assert info.rows == stats["rows"] and info.max_length == 256
+    lengths = read_all(folder).column("length").to_numpy()
+    # Rows are functions, methods and classes, and paragraphs of long ones: lengths spread
+    # from a few bytes up to max_seq_len, most rows well short of it.
+    assert np.median(lengths) < 0.8 * 256 and lengths.mean() < 0.75 * 256
+    assert 0.2 < np.mean(lengths == 256) < 0.5
+    assert np.mean(lengths < 128) > 0.25 and lengths.min() < 16
+    assert len(np.unique(lengths)) > 200
+    # So random batches waste much of their padded size, and length bucketing almost none.
+    assert padding_efficiency(lengths, bucketing=False) < 0.75
+    assert padding_efficiency(lengths, bucketing=True) > 0.96
+    started = time.perf_counter()
+    assert default_corpus_dir(max_seq_len=256) == folder  # second call hits the cache
+    assert time.perf_counter() - started < 0.5
+
+
+def test_default_corpus_uses_the_winner_of_a_race(tmp_path, monkeypatch):
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    final = tmp_path / f"stdlib-512-{version}-v{prepare_module.CORPUS_FORMAT}"
+
+    def racing_prepare(inputs, output, **kwargs):
+        stats = prepare(inputs[:3], output, **kwargs)
+        prepare(inputs[:3], final, **kwargs)  # another process finishes first
+        (final / "winner").touch()
+        return stats
+
+    monkeypatch.setattr(prepare_module, "prepare", racing_prepare)
+    assert default_corpus_dir(max_seq_len=512, cache_root=tmp_path) == final
+    assert (final / "winner").exists()
+    assert [path.name for path in tmp_path.iterdir()] == [final.name]  # scratch removed
+
+
+def test_default_corpus_refuses_an_unfinished_cache_folder(tmp_path, monkeypatch):
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    final = tmp_path / f"stdlib-512-{version}-v{prepare_module.CORPUS_FORMAT}"
+    final.mkdir()
+    (final / "stray").touch()
+    monkeypatch.setattr(prepare_module, "stdlib_source_files", lambda: stdlib_source_files()[:2])
+    with pytest.raises(ValueError, match="could not create the default corpus") as info:
+        default_corpus_dir(max_seq_len=512, cache_root=tmp_path)
+    assert str(final) in str(info.value)
+    assert [path.name for path in tmp_path.iterdir()] == [final.name]
