@@ -40,6 +40,12 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from elastic_train.report import run_report
+
+    return run_report(args.run_folder)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-train", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_prepare)
+    p = sub.add_parser("report", help="a run's figures as a table, plus loss.png and throughput.png")
+    p.add_argument("run_folder")
+    p.set_defaults(func=_report)
     return parser
 
 

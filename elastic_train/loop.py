@@ -81,9 +81,12 @@ def forward_backward(
     backward = (lambda x: scaler.scale(x).backward()) if scaler is not None else torch.Tensor.backward
     total = torch.zeros((), device=device)
     if not micro_batches:
-        # This rank's partitions ran dry in the epoch's last steps: join the all-reduce with zeros.
+        # This rank's partitions ran dry in the epoch's last steps: join DDP's all-reduce with a
+        # zero gradient (a real forward, so that DDP's reducer is prepared as usual).
+        dummy = torch.zeros((1, 2), dtype=torch.long, device=device)
         with autocast_context(precision, device):
-            backward(sum(p.sum() for p in model.parameters()) * 0.0)
+            loss_sum, _ = token_loss_sum(model, dummy, torch.full((1,), 2, device=device))
+        backward(loss_sum * 0.0)
         return total
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1

@@ -9,9 +9,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
-
-import ray
 
 
 def _eta_s(history: list[tuple[float, int]], step: int, max_steps: int) -> float | None:
@@ -29,6 +28,12 @@ def format_line(latest: dict[str, Any], attempts: list[dict], max_steps: int, et
             f"restarts {max(len(attempts) - 1, 0)} eta {eta}")
 
 
+def _ray_poll(runlog) -> dict[str, Any]:
+    import ray
+
+    return ray.get(runlog.progress.remote(), timeout=10)
+
+
 class Progress:
     """Start with the RunLog handle, stop when fit returns. mode: auto | bar | lines | none."""
 
@@ -42,9 +47,11 @@ class Progress:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, runlog) -> None:
+    def start(self, runlog, poll: Callable[[], dict[str, Any]] | None = None) -> None:
+        """Poll `runlog.progress()` every interval_s; `poll` replaces that call (tests)."""
         if self.mode == "none":
             return
+        self._fetch = poll or (lambda: _ray_poll(runlog))
         self._thread = threading.Thread(target=self._run, args=(runlog,), daemon=True)
         self._thread.start()
 
@@ -61,7 +68,7 @@ class Progress:
 
     def _poll(self, runlog, history: list) -> tuple[dict | None, list, float | None]:
         try:
-            state = ray.get(runlog.progress.remote(), timeout=10)
+            state = self._fetch()
         except Exception:  # the actor is gone at shutdown
             return None, [], None
         latest = state["latest"]

@@ -1,0 +1,42 @@
+"""Shared fixtures: a small real Parquet dataset, and one local Ray cluster per test module."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+TINY = [
+    "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+    "data.max_seq_len=128", "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096",
+    "log.progress=none", "scaling.health_check_interval_s=0.1",
+]
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory) -> str:
+    """About 1,500 rows of real, long-tailed text: a few standard-library modules."""
+    from elastic_train.prepare import prepare
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / name for name in ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py",
+                                        "heapq.py", "glob.py", "colorsys.py")]
+    out = tmp_path_factory.mktemp("data") / "small"
+    prepare(files, out, max_seq_len=128, rows_per_shard=600)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster shared by a module's tests (start-up is most of a run's cost)."""
+    import ray
+
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.1"
+    ray.init(num_cpus=4, dashboard_host="127.0.0.1", include_dashboard=True,
+             log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -1,0 +1,99 @@
+"""Config loading, overrides and validation; the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from elastic_train.config import ConfigError, load_config, num_partitions
+
+pytestmark = pytest.mark.unit
+
+
+def test_default_loads_and_round_trips(tmp_path):
+    cfg = load_config()
+    assert cfg.scaling.min_workers == 2 and cfg.data.path is None
+    path = tmp_path / "c.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(path) == cfg
+
+
+def test_dotted_overrides_typed():
+    cfg = load_config(None, ["optim.lr=1e-3", "scaling.resources_per_worker={slot: 1}",
+                             "train.max_steps=7", "data.path=/x", "scaling.cpus_per_worker=2"])
+    assert cfg.optim.lr == 1e-3 and cfg.train.max_steps == 7
+    assert cfg.scaling.resources_per_worker == {"slot": 1.0}
+    assert cfg.scaling.cpus_per_worker == 2.0 and cfg.data.path == "/x"
+
+
+@pytest.mark.parametrize("override, culprit", [
+    ("optim.lrr=1", "optim.lrr"),
+    ("nosection.x=1", "nosection"),
+    ("train.max_steps=abc", "train.max_steps"),
+    ("train.max_steps=1.5", "train.max_steps"),
+    ("scaling.use_gpu=3", "scaling.use_gpu"),
+    ("scaling.min_workers=3", "scaling.min_workers"),
+    ("scaling.max_workers=0", "scaling.max_workers"),
+    ("scaling.min_workers=0", "scaling.min_workers"),
+    ("data.micro_batch_tokens=100", "data.micro_batch_tokens"),
+    ("data.global_batch_tokens=5000", "data.global_batch_tokens"),
+    ("train.precision=fp8", "train.precision"),
+    ("train.precision=fp16", "train.precision=fp16"),
+    ("optim.name=sgd", "optim.name"),
+])
+def test_bad_values_name_the_key(override, culprit):
+    with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_budget_that_cannot_be_split_among_max_workers():
+    with pytest.raises(ConfigError, match="cannot be split among scaling.max_workers"):
+        load_config(None, ["scaling.max_workers=16"])  # 8 micro-batches per step
+    assert num_partitions(load_config(None, ["scaling.max_workers=8"])) == 8
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"train": {"max_stepz": 3}}))
+    with pytest.raises(ConfigError, match=r"train\.max_stepz"):
+        load_config(path)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elastic_train.cli", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, culprit", [
+    (["train.max_stepz=3"], "train.max_stepz"),
+    (["train.max_steps=many"], "train.max_steps"),
+    (["data.path=/nonexistent/data"], "/nonexistent/data"),
+])
+def test_cli_fails_with_one_error_line_before_any_worker(tmp_path, args, culprit):
+    cfg = tmp_path / "x.yaml"
+    cfg.write_text("run:\n  name: bad\n")
+    proc = _cli("train", "--config", str(cfg), f"run.storage_path={tmp_path}", *args)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and culprit in lines[0], proc.stderr
+    assert not (tmp_path / "bad").exists()  # nothing started, nothing written
+
+
+def test_cli_empty_and_columnless_datasets(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    pq.write_table(pa.table({"id": pa.array([], pa.int64()), "tokens": pa.array([], pa.list_(pa.int32())),
+                             "length": pa.array([], pa.int32())}), empty / "p.parquet")
+    proc = _cli("train", f"data.path={empty}", f"run.storage_path={tmp_path}")
+    assert proc.returncode != 0 and "empty" in proc.stderr and str(empty) in proc.stderr
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    pq.write_table(pa.table({"text": ["a"]}), wrong / "p.parquet")
+    proc = _cli("train", f"data.path={wrong}", f"run.storage_path={tmp_path}")
+    assert proc.returncode != 0 and "tokens" in proc.stderr and proc.stderr.startswith("error: ")
