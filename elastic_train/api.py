@@ -88,7 +88,7 @@ def init_ray(cfg: Config) -> bool:
     workers_cpus = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
     # Ray Data's read tasks need CPUs beyond the workers' or they wait forever.
     num_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(workers_cpus) + 2)
-    ray.init(num_cpus=num_cpus, dashboard_host="127.0.0.1")
+    ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1")
     return True
 
 

@@ -127,7 +127,7 @@ def find_marks(records: list[dict], attempts: list[dict]) -> list[Mark]:
     groups = by_attempt(records)
     known = {a["attempt"]: a for a in attempts}
     ids = sorted(set(groups) | set(known))
-    marks, previous_ws = [], None
+    marks, previous_ws, last_step = [], None, None
     for k in ids:
         recs = groups.get(k, [])
         ws = known[k]["world_size"] if k in known else (recs[0]["world_size"] if recs else None)
@@ -138,11 +138,14 @@ def find_marks(records: list[dict], attempts: list[dict]) -> list[Mark]:
             resized = None not in (previous_ws, ws) and ws != previous_ws
             label = f"attempt {k}: " + (f"resize {previous_ws}→{ws} workers" if resized
                                         else "restart")
+            if last_step is not None:
+                label += f" after step {last_step}"
             if step is not None:
-                label += f", from step {step:g}"
+                label += f", resumed from step {step:g}"
             marks.append(Mark("resize" if resized else "restart", k, step, when,
                               (previous_ws, ws), label))
         previous_ws = ws if ws is not None else previous_ws
+        last_step = max((r["step"] for r in recs), default=last_step)
     return marks
 
 
@@ -168,6 +171,9 @@ def build_table(run: RunFiles):
                                         f"{_fmt(s.get('final_loss'), '.4f')}")
     table.add_row("real tokens", _fmt(s.get("real_tokens"), ","))
     table.add_row("tokens/s (whole fit)", _fmt(s.get("tokens_per_s"), ",.0f"))
+    stepping = sum(r["step_time_s"] for r in effective_records(run.records).values())
+    real = sum(r["real_tokens"] for r in effective_records(run.records).values())
+    table.add_row("tokens/s (while stepping)", _fmt(real / stepping if stepping else None, ",.0f"))
     table.add_row("padding efficiency", _fmt(s.get("padding_efficiency"), ".3f"))
     table.add_row("restarts", _fmt(s.get("restarts")))
     table.add_row("world sizes", " → ".join(str(w) for w in s.get("world_sizes", [])) or "-")
@@ -247,11 +253,13 @@ def plot_throughput(run: RunFiles, marks: list[Mark], path: Path) -> list[Mark]:
     origin = run_origin(run)
     fig, ax = _figure()
     groups = by_attempt(run.records)
-    previous_end = None
+    previous_end, recovery_label = None, "recovery"
     for k, recs in groups.items():
         begin = recs[0]["time"] - recs[0]["step_time_s"] - origin
         if previous_end is not None and begin > previous_end:
-            ax.axvspan(previous_end, begin, color="tab:red", alpha=0.08, linewidth=0)
+            ax.axvspan(previous_end, begin, color="tab:red", alpha=0.08, linewidth=0,
+                       label=recovery_label)
+            recovery_label = None
         elif previous_end is None and begin > 0:
             ax.axvspan(0, begin, color="grey", alpha=0.12, linewidth=0, label="start-up")
         previous_end = recs[-1]["time"] - origin
@@ -261,10 +269,10 @@ def plot_throughput(run: RunFiles, marks: list[Mark], path: Path) -> list[Mark]:
     overall = run.summary.get("tokens_per_s")
     if overall:
         ax.axhline(overall, color="black", linestyle=":", linewidth=1,
-                   label=f"whole fit {overall:,.0f} tokens/s (goodput {run.summary['goodput']:.0%})")
+                   label=f"fit average {overall:,.0f} tokens/s (goodput {run.summary['goodput']:.0%})")
     drawn = _draw_marks(ax, marks, [None if m.time is None else m.time - origin for m in marks])
     ax.set(xlabel="wall time since the run started (s)", ylabel="tokens/s",
-           title=f"{run.folder.name}: throughput (red bands: recovery between attempts)")
+           title=f"{run.folder.name}: throughput per step")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)

@@ -18,6 +18,12 @@ TINY = [
 
 
 @pytest.fixture(scope="session")
+def tiny() -> list[str]:
+    """Overrides for a tiny model and budget: a step takes tens of milliseconds."""
+    return list(TINY)
+
+
+@pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory) -> str:
     """About 1,500 rows of real, long-tailed text: a few standard-library modules."""
     from elastic_train.prepare import prepare
@@ -36,7 +42,7 @@ def ray_cluster():
     import ray
 
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.1"
-    ray.init(num_cpus=4, dashboard_host="127.0.0.1", include_dashboard=True,
+    ray.init(address="local", num_cpus=4, dashboard_host="127.0.0.1", include_dashboard=True,
              log_to_driver=False)
     yield
     ray.shutdown()
