@@ -290,7 +290,8 @@ def validate(cfg: Config) -> None:
     )
     _require(d.shuffle_window >= 1, "data.shuffle_window must be >= 1")
     _require(d.prefetch_steps >= 1, "data.prefetch_steps must be >= 1")
-    _require(d.reader in ("pyarrow", "ray_data"), f"data.reader must be pyarrow or ray_data, got {d.reader!r}")
+    _require(d.reader in ("pyarrow", "ray_data"),
+             f"data.reader must be pyarrow or ray_data, got {d.reader!r}")
     _require(t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}")
     _require(t.epochs >= 1, f"train.epochs must be >= 1, got {t.epochs}")
     _require(

@@ -24,8 +24,8 @@ def synthetic_rows(n: int, seed: int = 1, max_len: int = 64):
     for start in range(0, n, 97):  # an odd batch size: batching must not matter
         sl = slice(start, start + 97)
         batches.append({"id": ids[sl], "length": lengths[sl],
-                        "tokens": [np.full(k, i % 256) for i, k in zip(ids[sl], lengths[sl])]})
-    return batches, dict(zip(ids.tolist(), lengths.tolist()))
+                        "tokens": [np.full(k, i % 256) for i, k in zip(ids[sl], lengths[sl], strict=False)]})
+    return batches, dict(zip(ids.tolist(), lengths.tolist(), strict=False))
 
 
 def run_epoch(batches, world_size: int, start_step: int = 0, epoch: int = 0, bucketing=True,
@@ -81,7 +81,7 @@ def test_micro_batches_respect_budget_and_pad_to_longest():
                 assert mb.tokens.shape == (len(mb.ids), max(lengths[i] for i in mb.ids.tolist()))
                 assert mb.tokens.size <= 256
                 assert [lengths[i] for i in mb.ids.tolist()] == mb.lengths.tolist()
-                for row, n in zip(mb.tokens, mb.lengths):
+                for row, n in zip(mb.tokens, mb.lengths, strict=False):
                     assert not row[n:].any()
 
 
