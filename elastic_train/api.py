@@ -141,7 +141,7 @@ def start_runlog(cfg: Config):
     node_id = ray.get_runtime_context().get_node_id()
     return RunLog.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-    ).remote(run_uri(cfg))
+    ).remote(run_uri(cfg), tensorboard=cfg.log.tensorboard)
 
 
 def save_config(cfg: Config, runlog) -> None:

@@ -243,6 +243,8 @@ def _cuda_memory(device: torch.device) -> dict[str, int]:
 
 def save(env, cfg: Config, model, optimizer, scaler, state: TrainState, final: bool) -> float:
     """Snapshot on rank 0 (the blocking part) and hand it to Ray to write in the background."""
+    if state.step == env.last_saved_step:  # e.g. the final save right after a periodic one
+        return 0.0
     t0 = time.perf_counter()
     snap = None
     if env.world_rank == 0:

@@ -20,6 +20,8 @@ from typing import Any
 import pyarrow.fs as pafs
 import ray
 
+from elastic_train.tb import TensorBoardWriter
+
 RUN_FILES = ("metrics.jsonl", "attempts.json", "events.jsonl", "faults.json", "summary.json")
 
 
@@ -83,8 +85,9 @@ class RunFolder:
 class RunLog:
     """One per run; see the module docstring."""
 
-    def __init__(self, run_uri: str, flush_interval_s: float = 10.0) -> None:
+    def __init__(self, run_uri: str, flush_interval_s: float = 10.0, tensorboard: bool = False) -> None:
         self.folder = RunFolder(run_uri)
+        self.tb = TensorBoardWriter(self.folder.local) if tensorboard else None
         self.attempts: list[dict] = self.folder.read_json("attempts.json", [])
         self.faults: dict[str, bool] = self.folder.read_json("faults.json", {})
         self.latest: dict[str, Any] | None = None
@@ -102,6 +105,8 @@ class RunLog:
     def log_step(self, record: dict[str, Any]) -> None:
         self.latest = record
         self.folder.append("metrics.jsonl", [json.dumps(record)])
+        if self.tb is not None:
+            self.tb.write(record)
         self._maybe_sync()
 
     def log_consumed(self, world_rank: int, attempt: int, lines: list[dict[str, Any]]) -> None:

@@ -1,0 +1,92 @@
+"""Tests for the live progress display: a rich bar on a pseudo-terminal, lines on a pipe.
+
+A small script drives `Progress` with a scripted poll (no Ray): 20 steps planned, steps 1-5 on
+2 workers, a restart back to step 3 on 1 worker, then on to step 7.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pexpect
+import pytest
+
+from elastic_train.progress import _eta_s, format_line
+
+pytestmark = pytest.mark.unit
+
+SCRIPT = textwrap.dedent('''
+    import sys, time
+    from elastic_train.progress import Progress
+
+    attempts = [{"attempt": 0, "world_size": 2, "start_time": 0.0}]
+    steps = [None, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7]
+    polls = 0
+
+    def poll():
+        global polls
+        step = steps[min(polls, len(steps) - 1)]
+        polls += 1
+        if polls == 7:
+            attempts.append({"attempt": 1, "world_size": 1, "start_time": 1.0})
+        latest = None if step is None else {
+            "step": step, "epoch": 0, "loss": 5.0 - 0.1 * step, "lr": 1e-3,
+            "tokens_per_s": 1234.0, "world_size": attempts[-1]["world_size"]}
+        return {"latest": latest, "attempts": list(attempts), "fatal": None}
+
+    progress = Progress(20, "auto", every_steps=2, interval_s=0.05, stream=sys.stdout)
+    print("mode", progress.mode, flush=True)
+    progress.start(runlog=None, poll=poll)
+    while polls < len(steps) + 3:
+        time.sleep(0.05)
+    progress.stop()
+    print("done", flush=True)
+''')
+
+
+def test_bar_on_a_terminal(tmp_path):
+    script = tmp_path / "drive.py"
+    script.write_text(SCRIPT)
+    child = pexpect.spawn(sys.executable, [str(script)], dimensions=(24, 120), timeout=30,
+                          env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "120"},
+                          encoding="utf-8")
+    child.expect("mode bar")
+    child.expect("done")
+    screen = child.before
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, screen
+    assert "train" in screen and "7/20" in screen, screen
+    assert "\x1b[" in screen  # drawn with escape sequences, in place
+    assert "workers 1 restarts 1" in screen, screen
+
+
+def test_lines_on_a_pipe(tmp_path):
+    script = tmp_path / "drive.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0] == "mode lines" and lines[-1] == "done"
+    progress = lines[1:-1]
+    assert progress and all(re.fullmatch(r"step \d+/20 epoch 0 loss \S+ lr \S+ tok/s 1234 "
+                                         r"workers \d restarts \d eta \S+", x) for x in progress)
+    steps = [int(x.split()[1].split("/")[0]) for x in progress]
+    assert steps[0] == 1 and steps[-1] in (6, 7)  # a line each time step // every_steps changes
+    assert "workers 2 restarts 0" in progress[0] and "workers 1 restarts 1" in progress[-1]
+    assert "\x1b[" not in out
+
+
+def test_format_line_and_eta():
+    latest = {"step": 7, "epoch": 1, "loss": 2.5, "lr": 3e-4, "tokens_per_s": 5000.4,
+              "world_size": 3}
+    line = format_line(latest, [{}, {}], 20, 13.2)
+    assert line == ("step 7/20 epoch 1 loss 2.5000 lr 3.00e-04 tok/s 5000 workers 3 "
+                    "restarts 1 eta 13s")
+    assert format_line(latest, [], 20, None).endswith("restarts 0 eta ?")
+    assert _eta_s([(0.0, 2), (10.0, 7)], 7, 20) == pytest.approx(26.0)
+    assert _eta_s([(0.0, 2)], 2, 20) is None
