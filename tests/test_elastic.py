@@ -15,11 +15,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_train_ray import TINY, effective_ids, losses, metrics
 
 from elastic_train import load_config
 from elastic_train.api import train
-
-from test_train_ray import TINY, effective_ids, losses, metrics
 
 pytestmark = pytest.mark.chaos
 
