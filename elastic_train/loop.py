@@ -119,7 +119,10 @@ def optimizer_step(
     if any_nonfinite:
         optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
+            # As GradScaler does on an overflow, alike on every rank (one whose own gradient was
+            # finite found no inf): scale * backoff_factor, and growth counting starts again.
             scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
+            scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
         return loss_sum, float(norm), True
     if scaler is not None:
         scaler.step(optimizer)
