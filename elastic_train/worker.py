@@ -25,6 +25,14 @@ from elastic_train.config import Config, config_from_dict
 from elastic_train.data import iter_parquet_batches, iter_ray_batches
 
 
+def _gather_from_all(value: Any) -> list[Any]:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return [value]
+
+
 def _broadcast_from_rank0(value: Any) -> Any:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         box = [value]
@@ -47,6 +55,7 @@ class RayWorkerEnv:
         self.attempt = -1
         self.last_saved_step = -1
         self._nonfinite_pending: list[int] = []
+        self.fatal: str | None = None  # set when the run must stop (see handle_nonfinite)
 
     # -- model, data, checkpoints --------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -140,29 +149,43 @@ class RayWorkerEnv:
 
     def handle_nonfinite(self, step: int, micro_batches) -> None:
         """Too many non-finite steps in a row: roll back once (restart from the last checkpoint);
-        the second time at the same step, stop the run naming the step and its sample ids."""
+        the second time at the same step, stop the run naming the step and its sample ids.
+
+        Every rank calls this at the same step (the skip decision is all-reduced)."""
         from elastic_train.loop import NonFiniteError
 
-        ids = sorted(int(i) for mb in micro_batches for i in mb.ids)
+        mine = [int(i) for mb in micro_batches for i in mb.ids]
+        ids = sorted(i for rank_ids in _gather_from_all(mine) for i in rank_ids)
         first_time = None
         if self.world_rank == 0:
             first_time = ray.get(self.runlog.claim_fault.remote(f"rollback@{step}"))
         first_time = _broadcast_from_rank0(first_time)
         if first_time:
-            self.runlog.log_event.remote({"event": "rollback", "step": step})
+            if self.world_rank == 0:
+                self.runlog.log_event.remote({"event": "rollback", "step": step})
             raise NonFiniteError(f"non-finite gradients up to step {step}: rolling back")
-        message = (f"non-finite gradients at step {step} again after a rollback; rank "
-                   f"{self.world_rank}'s sample ids of that batch: {ids[:64]}")
-        self.runlog.set_fatal.remote(message) if self.world_rank == 0 else None
+        shown = ids if len(ids) <= 256 else [*ids[:256], "..."]
+        message = (f"non-finite gradients at step {step} again after a rollback; the sample ids "
+                   f"of that step's batch ({len(ids)}, all ranks): {shown}")
+        if self.world_rank == 0:  # before any rank returns: the driver reads it after fit()
+            ray.get(self.runlog.set_fatal.remote(message))
+        self.fatal = message
         raise NonFiniteError(message)
 
 
 def train_worker(config: dict[str, Any]) -> None:
     """Entry point of every Ray Train worker (`train_loop_per_worker`)."""
-    from elastic_train.loop import train_loop
+    from elastic_train.loop import NonFiniteError, train_loop
 
     cfg = config_from_dict(config["config"])
     if not cfg.scaling.use_gpu:
         torch.set_num_threads(cfg.scaling.torch_threads)
     env = RayWorkerEnv(cfg, config["runlog"], config["files"])
-    train_loop(cfg, env)
+    try:
+        train_loop(cfg, env)
+    except NonFiniteError:
+        if env.fatal is None:
+            raise  # the first time: Ray restarts the group from the last checkpoint
+        # The run is over and the RunLog holds the reason, which the driver reports as the
+        # failure. Raising would only make Ray restart the group to fail the same way again
+        # (forever with scaling.max_failures=-1). No final checkpoint is saved.
