@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic_train.config import Config, ConfigError
 from elastic_train.model import MODELS
+from elastic_train.nodewatch import NodeLossWatcher
 from elastic_train.prepare import DatasetInfo, default_corpus_dir, inspect_dataset
 from elastic_train.runlog import RunLog, split_uri
 from elastic_train.summary import build_summary
@@ -177,6 +178,8 @@ def train(cfg: Config, progress=None) -> TrainResult:
         error, checkpoint_path = None, None
         if progress is not None:
             progress.start(runlog)
+        elastic = cfg.scaling.min_workers < cfg.scaling.max_workers
+        watcher = NodeLossWatcher().start() if elastic else None
         try:
             result = trainer.fit()
             checkpoint_path = result.checkpoint.path if result.checkpoint else None
@@ -185,6 +188,8 @@ def train(cfg: Config, progress=None) -> TrainResult:
         finally:
             if progress is not None:
                 progress.stop()
+            if watcher is not None:
+                watcher.stop()
         fatal = ray.get(runlog.progress.remote())["fatal"]
         folder = ray.get(runlog.local_folder.remote())
         summary = build_summary(folder, start_time=start, error=fatal or error)

@@ -17,7 +17,7 @@ from typing import Any
 from elastic_train.summary import build_summary, effective_records, ledger, read_jsonl
 
 LEDGER_PARTS = ("startup_s", "productive_s", "recovery_s", "replayed_s", "checkpoint_s",
-                "data_wait_s", "other_s")
+                "data_wait_s", "shutdown_s", "other_s")
 
 
 @dataclass

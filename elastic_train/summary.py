@@ -37,13 +37,14 @@ def effective_records(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]
 
 def ledger(records: list[dict], events: list[dict], start_time: float, end_time: float) -> dict:
     """Split this fit's wall time into start-up, productive, recovery, replayed, checkpoint
-    blocking, data wait and the rest (shutdown, logging)."""
+    blocking, data wait, shutdown (after the last step: final checkpoint, worker group teardown)
+    and the rest (logging and bookkeeping between steps)."""
     fit = [r for r in records if r["time"] >= start_time]
     effective = effective_records(fit)
     kept = {id(r) for r in effective.values()}
     wall = max(end_time - start_time, 1e-9)
     parts = {"startup_s": 0.0, "productive_s": 0.0, "recovery_s": 0.0, "replayed_s": 0.0,
-             "checkpoint_s": 0.0, "data_wait_s": 0.0}
+             "checkpoint_s": 0.0, "data_wait_s": 0.0, "shutdown_s": 0.0}
     previous_end = None
     previous_attempt = None
     for rec in fit:
@@ -58,9 +59,11 @@ def ledger(records: list[dict], events: list[dict], start_time: float, end_time:
         parts["productive_s" if id(rec) in kept else "replayed_s"] += compute
     parts["checkpoint_s"] = sum(
         e.get("blocked_s", 0.0) for e in events
-        if e.get("event") == "checkpoint" and e["time"] >= start_time
+        if e.get("event") == "checkpoint" and not e.get("final") and e["time"] >= start_time
     )
-    if not fit:
+    if fit:
+        parts["shutdown_s"] = max(end_time - previous_end, 0.0)
+    else:
         parts["startup_s"] = wall
     parts["other_s"] = wall - sum(parts.values())
     parts["wall_s"] = wall

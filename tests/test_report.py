@@ -15,7 +15,7 @@ from elastic_train.report import find_marks, make_report
 from elastic_train.summary import build_summary
 
 LEDGER_PARTS = ("startup_s", "productive_s", "recovery_s", "replayed_s", "checkpoint_s",
-                "data_wait_s", "other_s")
+                "data_wait_s", "shutdown_s", "other_s")
 
 
 def _record(step: int, attempt: int, world_size: int, end: float, loss: float) -> dict:

@@ -141,3 +141,18 @@ def test_checkpoint_of_another_model_is_refused(ray_cluster, small_dataset, tmp_
     summary = json.loads((tmp_path / "shape" / "summary.json").read_text())
     assert summary["status"] == "failed" and "does not fit" in summary["reason"]
     assert (tmp_path / "shape" / "checkpoint_000000004" / "model.pt").is_file()  # kept
+
+
+def test_restart_at_another_world_size_follows_the_same_curve(reference, small_dataset, tmp_path):
+    """2 workers until a crash with no restarts left; the same run resumed on 1 worker."""
+    with pytest.raises(TrainingFailed):
+        run(tmp_path, small_dataset, "resize", "train.epochs=2", "train.max_steps=1000",
+            "fault.crash_at_step=10", "scaling.max_failures=0")
+    resized = run(tmp_path, small_dataset, "resize", "train.epochs=2", "train.max_steps=1000",
+                  "fault.crash_at_step=10", "scaling.min_workers=1", "scaling.max_workers=1")
+    assert resized.summary["world_sizes"] == [2, 1]
+    assert effective_ids(resized) == effective_ids(reference)
+    ref, got = losses(reference), losses(resized)
+    rel = {s: abs(got[s] - ref[s]) / ref[s] for s in ref}
+    assert max(v for s, v in rel.items() if s <= 20) < 1e-4, rel
+    assert max(rel.values()) < 1e-3, rel

@@ -1,0 +1,96 @@
+"""The baseline for benchmarks/overhead.py: a plain PyTorch DDP script, launched by torchrun.
+
+Same model, same data, same batches as elastic-train (it uses the same batch plan and the same
+forward/backward and optimizer step functions), but no Ray, no logging actor, no prefetch thread,
+no checkpoints. Without torchrun (no WORLD_SIZE) it runs as one process.
+
+    torchrun --nproc_per_node 2 benchmarks/_ddp_baseline.py --steps 30 [key=value ...]
+    python benchmarks/_ddp_baseline.py --threads 2 --steps 30
+Prints one JSON line (rank 0): per-step end times and real tokens, and the gloo all-reduce bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from elastic_train.api import resolve_dataset
+from elastic_train.config import load_config, num_partitions
+from elastic_train.data import iter_parquet_batches, iter_rank_steps
+from elastic_train.loop import all_reduce_sum, forward_backward, optimizer_step
+from elastic_train.model import build_model
+from elastic_train.optim import build_optimizer, lr_at, set_lr
+from elastic_train.plan import owned_partitions
+
+
+def allreduce_bandwidth_gbps(numel: int, repeats: int = 5) -> float | None:
+    if not dist.is_initialized():
+        return None
+    t = torch.zeros(numel)
+    dist.all_reduce(t)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(t)
+    elapsed = (time.perf_counter() - start) / repeats
+    # ring all-reduce moves 2 (W-1)/W of the buffer per rank
+    w = dist.get_world_size()
+    return 2 * (w - 1) / w * numel * 4 / elapsed / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    t_start = time.time()
+    torch.set_num_threads(args.threads)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = load_config(None, args.overrides)
+    files = resolve_dataset(cfg).files
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, cfg.data.max_seq_len)
+    optimizer = build_optimizer(model, cfg.optim, False)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    k = num_partitions(cfg)
+    steps = iter_rank_steps(
+        iter_parquet_batches(files), partitions=owned_partitions(rank, world, k), num_partitions=k,
+        micro_batch_tokens=cfg.data.micro_batch_tokens, shuffle_window=cfg.data.shuffle_window,
+        seed=cfg.data.seed, epoch=0, bucketing=cfg.data.bucketing,
+    )
+    device = torch.device("cpu")
+    times, tokens = [], []
+    for step in range(args.steps):
+        mbs = next(steps)
+        n, targets, real, _ = all_reduce_sum(
+            [len(mbs), sum(m.targets for m in mbs), sum(m.real_tokens for m in mbs),
+             sum(m.padded_tokens for m in mbs)], device)
+        if n == 0:
+            break
+        set_lr(optimizer, lr_at(step, cfg.optim, cfg.train.max_steps))
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_backward(model, mbs, global_targets=targets, world_size=world, device=device)
+        optimizer_step(model, optimizer, None, cfg.train.grad_clip, loss, device)
+        times.append(time.time())
+        tokens.append(int(real))
+    numel = sum(p.numel() for p in model.parameters())
+    bandwidth = allreduce_bandwidth_gbps(numel)
+    if rank == 0:
+        print(json.dumps({"start_time": t_start, "times": times, "real_tokens": tokens,
+                          "world_size": world, "threads": args.threads, "params": numel,
+                          "allreduce_gbps": bandwidth}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Overhead and scaling: elastic-train against plain torchrun DDP and one process, same batches.
+
+(a) elastic-train, local Ray cluster, 2 CPU workers (1 thread each)
+(b) torchrun, 2 gloo processes (1 thread each), benchmarks/_ddp_baseline.py
+(c) one process, 2 threads, the same script
+(d) elastic-train with 1 worker (scaling against the ideal 2x)
+Steady-state real tokens/s skips the first WARMUP steps; start-up (launch to first step) apart.
+
+    .venv/bin/python benchmarks/overhead.py [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WARMUP = 5
+COMMON = ["checkpoint.every_steps=0", "log.progress=none"]
+
+
+def steady(times: list[float], tokens: list[int]) -> float:
+    """Real tokens/s over steps WARMUP+1 .. end (a step's time is when it ended)."""
+    return sum(tokens[WARMUP + 1:]) / (times[-1] - times[WARMUP])
+
+
+def run_elastic(steps: int, workers: int, storage: str) -> dict:
+    name = f"overhead-{workers}w"
+    start = time.time()
+    subprocess.run(
+        [str(ROOT / ".venv/bin/elastic-train"), "train", *COMMON, f"train.max_steps={steps}",
+         f"run.storage_path={storage}", f"run.name={name}", f"scaling.min_workers={workers}",
+         f"scaling.max_workers={workers}"],
+        check=True, capture_output=True, text=True,
+    )
+    recs = [json.loads(x) for x in (Path(storage) / name / "metrics.jsonl").read_text().splitlines()]
+    times, tokens = [r["time"] for r in recs], [r["real_tokens"] for r in recs]
+    return {"tokens_per_s": steady(times, tokens), "startup_s": times[0] - start,
+            "data_wait_s": sum(r["data_wait_s"] for r in recs[WARMUP:])}
+
+
+def run_baseline(steps: int, nproc: int, threads: int) -> dict:
+    script = str(ROOT / "benchmarks" / "_ddp_baseline.py")
+    if nproc > 1:
+        cmd = [str(ROOT / ".venv/bin/torchrun"), "--standalone", f"--nproc_per_node={nproc}",
+               script, f"--steps={steps}"]
+    else:
+        cmd = [sys.executable, script, f"--steps={steps}", f"--threads={threads}"]
+    start = time.time()
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    return {"tokens_per_s": steady(res["times"], res["real_tokens"]),
+            "startup_s": res["times"][0] - start, "params": res["params"],
+            "allreduce_gbps": res["allreduce_gbps"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as storage:
+        a = run_elastic(args.steps, 2, storage)
+        b = run_baseline(args.steps, 2, 1)
+        c = run_baseline(args.steps, 1, 2)
+        d = run_elastic(args.steps, 1, storage)
+    grad_bytes = b["params"] * 4
+    allreduce_s = 2 * 0.5 * grad_bytes / (b["allreduce_gbps"] * 1e9)
+    figures = {
+        "benchmark": "overhead",
+        "elastic_2w_tokens_per_s": a["tokens_per_s"], "torchrun_2p_tokens_per_s": b["tokens_per_s"],
+        "single_2t_tokens_per_s": c["tokens_per_s"], "elastic_1w_tokens_per_s": d["tokens_per_s"],
+        "ratio_elastic_vs_torchrun": a["tokens_per_s"] / b["tokens_per_s"],
+        "ratio_elastic_vs_single": a["tokens_per_s"] / c["tokens_per_s"],
+        "scaling_2w_vs_ideal": a["tokens_per_s"] / (2 * d["tokens_per_s"]),
+        "startup_s": {"elastic_2w": a["startup_s"], "torchrun_2p": b["startup_s"],
+                      "single": c["startup_s"]},
+        "elastic_2w_data_wait_s": a["data_wait_s"],
+        "gradient_bytes": grad_bytes, "gloo_allreduce_gbps": b["allreduce_gbps"],
+        "allreduce_s_per_step": allreduce_s,
+    }
+    print("| run | steady real tokens/s | start-up s |")
+    print("|---|---|---|")
+    print(f"| (a) elastic-train, 2 workers | {a['tokens_per_s']:.0f} | {a['startup_s']:.1f} |")
+    print(f"| (b) torchrun DDP, 2 procs | {b['tokens_per_s']:.0f} | {b['startup_s']:.1f} |")
+    print(f"| (c) 1 process, 2 threads | {c['tokens_per_s']:.0f} | {c['startup_s']:.1f} |")
+    print(f"| (d) elastic-train, 1 worker | {d['tokens_per_s']:.0f} | - |")
+    print(f"a/b = {figures['ratio_elastic_vs_torchrun']:.3f}, "
+          f"a/c = {figures['ratio_elastic_vs_single']:.3f}, "
+          f"a/(2d) = {figures['scaling_2w_vs_ideal']:.3f}; gradient {grad_bytes / 1e6:.1f} MB, "
+          f"gloo all-reduce {b['allreduce_gbps']:.2f} GB/s -> {allreduce_s * 1e3:.1f} ms/step")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Shrink sooner after a node dies: refresh Ray's resource reservations when it happens.
+
+Ray Train V2's elastic policy sizes a restart from the reservations of Ray's autoscaling
+coordinator, which re-reads the cluster's nodes only every 20 s (its TICK_INTERVAL_S, not
+configurable). After a node dies the restart is therefore first tried at the old size, and waits out
+`scaling.worker_group_start_timeout_s` before a smaller one is tried. This driver-side thread watches
+the node table and asks the coordinator to re-read it at once, so the retry after the first
+(failed) start already sees the smaller cluster. It uses a private method of a Ray actor: if that is
+gone in a later Ray, it logs once and Ray's own 20 s tick still applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+logger = logging.getLogger("elastic_train")
+
+COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # actor name, namespace
+
+
+def alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def refresh_reservations() -> bool:
+    """Make the autoscaling coordinator re-read the cluster now; False if it cannot."""
+    try:
+        coordinator = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+        ray.get(coordinator._tick.remote(), timeout=10)
+        return True
+    except Exception as exc:  # no coordinator (fixed-size run) or a Ray without _tick
+        logger.info("could not refresh Ray's resource reservations: %s", exc)
+        return False
+
+
+class NodeLossWatcher:
+    """Background thread: on every node loss, refresh the coordinator's reservations."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self.losses: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="node-loss-watcher")
+
+    def start(self) -> NodeLossWatcher:
+        self._alive = alive_nodes()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                now = alive_nodes()
+            except Exception:  # the driver is shutting down
+                return
+            lost = self._alive - now
+            self._alive = now
+            if lost:
+                self.losses.extend(lost)
+                refresh_reservations()

@@ -1,0 +1,55 @@
+"""NCCL DDP + accumulation on GPUs against one process on the same global batch (gpu_smoke.sh)."""
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic_train.config import ModelConfig
+from elastic_train.data import pad_rows
+from elastic_train.loop import forward_backward
+from elastic_train.model import build_model, token_loss_sum
+
+
+def batch():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [pad_rows([(p * 10 + i, rng.integers(0, 256, rng.integers(2, 200))) for i in range(4)], p)
+            for p in range(4)]
+
+
+def worker(rank, world, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(), 256).to(dev)
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+    mbs = batch()
+    mine = [m for m in mbs if m.partition % world == rank]
+    forward_backward(model, mine, global_targets=sum(m.targets for m in mbs), world_size=world, device=dev)
+    if rank == 0:
+        torch.save({n: p.grad.cpu() for n, p in model.module.named_parameters()}, path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world = int(sys.argv[1])
+    path = os.path.join(tempfile.mkdtemp(), "g.pt")
+    mp.start_processes(worker, args=(world, path), nprocs=world, start_method="spawn")
+    torch.manual_seed(0)
+    ref = build_model(ModelConfig(), 256).cuda()
+    mbs = batch()
+    total = sum(token_loss_sum(ref, torch.from_numpy(m.tokens).cuda(), torch.from_numpy(m.lengths).cuda())[0]
+                for m in mbs)
+    (total / sum(m.targets for m in mbs)).backward()
+    got = torch.load(path)
+    worst = max(float((got[n] - p.grad.cpu()).norm() / p.grad.norm().clamp_min(1e-12))
+                for n, p in ref.named_parameters())
+    print(f"nccl DDP x{world} vs one process: worst relative gradient difference {worst:.2e}")
+    assert worst < 1e-4, worst

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU smoke test (issue 6), for a machine with one or more CUDA GPUs; under 5 minutes.
+#   bash scripts/gpu_smoke.sh
+# 1. NCCL DDP + accumulation gradient vs one process, on the GPU (tests/test_dist.py logic, nccl).
+# 2. elastic-train on Ray with 1 GPU worker: fp16 + GradScaler + adamw8bit, then bf16, then a crash
+#    and resume; prints each summary line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || bash scripts/setup.sh
+PY=.venv/bin/python
+$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.cuda.get_device_name())"
+NGPU=$($PY -c "import torch; print(min(torch.cuda.device_count(), 2))")
+$PY scripts/gpu_ddp_check.py "$NGPU"
+STORE=$(mktemp -d)
+COMMON=(scaling.use_gpu=true scaling.min_workers=1 scaling.max_workers=1 "run.storage_path=$STORE"
+        train.max_steps=40 checkpoint.every_steps=10 log.progress=lines)
+.venv/bin/elastic-train train "${COMMON[@]}" run.name=fp16 train.precision=fp16 optim.name=adamw8bit
+.venv/bin/elastic-train train "${COMMON[@]}" run.name=bf16 train.precision=bf16
+.venv/bin/elastic-train train "${COMMON[@]}" run.name=crash train.precision=bf16 fault.crash_at_step=15
+$PY - "$STORE" <<'PY'
+import json, sys, pathlib
+for run in ("fp16", "bf16", "crash"):
+    s = json.loads((pathlib.Path(sys.argv[1]) / run / "summary.json").read_text())
+    print(run, {k: s[k] for k in ("status", "steps", "first_loss", "final_loss", "restarts", "skipped_steps")})
+PY
