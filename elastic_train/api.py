@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic_train.config import Config, ConfigError
 from elastic_train.model import MODELS
-from elastic_train.nodewatch import NodeLossWatcher
+from elastic_train.nodewatch import NodeWatcher
 from elastic_train.prepare import DatasetInfo, default_corpus_dir, inspect_dataset
 from elastic_train.runlog import RunLog, split_uri
 from elastic_train.summary import build_summary
@@ -179,7 +179,7 @@ def train(cfg: Config, progress=None) -> TrainResult:
         if progress is not None:
             progress.start(runlog)
         elastic = cfg.scaling.min_workers < cfg.scaling.max_workers
-        watcher = NodeLossWatcher().start() if elastic else None
+        watcher = NodeWatcher(runlog).start() if elastic else None
         try:
             result = trainer.fit()
             checkpoint_path = result.checkpoint.path if result.checkpoint else None

@@ -180,10 +180,10 @@ def train_loop(cfg: Config, env) -> None:
             while state.step < cfg.train.max_steps:
                 t0 = time.perf_counter()
                 micro_batches, wait_s = stream.next()
-                n_mb, targets, real, padded = all_reduce_sum(
+                n_mb, targets, real, padded, requested = all_reduce_sum(
                     [len(micro_batches), sum(mb.targets for mb in micro_batches),
                      sum(mb.real_tokens for mb in micro_batches),
-                     sum(mb.padded_tokens for mb in micro_batches)],
+                     sum(mb.padded_tokens for mb in micro_batches), env.checkpoint_requested()],
                     device,
                 )
                 if n_mb == 0:  # every rank's partitions are exhausted: the epoch is over
@@ -230,7 +230,8 @@ def train_loop(cfg: Config, env) -> None:
                         micro_batches=int(n_mb), **_cuda_memory(device),
                     ))
                 env.maybe_crash(state.step)
-                if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
+                periodic = cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0
+                if periodic or requested:  # requested: the driver expects a resize
                     save(env, cfg, raw_model, optimizer, scaler, state, final=False)
         finally:
             stream.close()

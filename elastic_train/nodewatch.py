@@ -1,4 +1,4 @@
-"""Shrink sooner after a node dies: refresh Ray's resource reservations when it happens.
+"""Resize sooner and lose nothing: refresh Ray's resource reservations when nodes come and go.
 
 Ray Train V2's elastic policy sizes a restart from the reservations of Ray's autoscaling
 coordinator, which re-reads the cluster's nodes only every 20 s (its TICK_INTERVAL_S, not
@@ -36,16 +36,20 @@ def refresh_reservations() -> bool:
         return False
 
 
-class NodeLossWatcher:
-    """Background thread: on every node loss, refresh the coordinator's reservations."""
+class NodeWatcher:
+    """Background thread: when nodes die or join, refresh the coordinator's reservations; when
+    one joins, ask the workers (through the RunLog actor) for a checkpoint, because Ray is about
+    to restart the group at a larger size and would otherwise lose the steps since the last one."""
 
-    def __init__(self, interval_s: float = 0.5) -> None:
+    def __init__(self, runlog=None, interval_s: float = 0.5) -> None:
+        self.runlog = runlog
         self.interval_s = interval_s
         self.losses: list[str] = []
+        self.joins: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="node-loss-watcher")
 
-    def start(self) -> NodeLossWatcher:
+    def start(self) -> NodeWatcher:
         self._alive = alive_nodes()
         self._thread.start()
         return self
@@ -60,8 +64,11 @@ class NodeLossWatcher:
                 now = alive_nodes()
             except Exception:  # the driver is shutting down
                 return
-            lost = self._alive - now
+            lost, joined = self._alive - now, now - self._alive
             self._alive = now
-            if lost:
+            if joined and self.runlog is not None:
+                self.runlog.request_checkpoint.remote(f"{len(joined)} node(s) joined")
+            if lost or joined:
                 self.losses.extend(lost)
+                self.joins.extend(joined)
                 refresh_reservations()

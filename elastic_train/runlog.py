@@ -92,6 +92,7 @@ class RunLog:
         self.faults: dict[str, bool] = self.folder.read_json("faults.json", {})
         self.latest: dict[str, Any] | None = None
         self.fatal: str | None = None
+        self.checkpoint_request: str | None = None
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
 
@@ -123,6 +124,14 @@ class RunLog:
         self.faults[key] = True
         self.folder.write("faults.json", json.dumps(self.faults))
         return True
+
+    def request_checkpoint(self, reason: str) -> None:
+        """The driver expects a resize: workers checkpoint at their next step."""
+        self.checkpoint_request = reason
+
+    def take_checkpoint_request(self) -> str | None:
+        reason, self.checkpoint_request = self.checkpoint_request, None
+        return reason
 
     def set_fatal(self, message: str) -> None:
         """A worker decided the run cannot go on (e.g. non-finite gradients after a rollback)."""

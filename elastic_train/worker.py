@@ -108,6 +108,23 @@ class RayWorkerEnv:
             checkpoint_upload_fn=upload_fn,
         )
 
+    def checkpoint_requested(self) -> bool:
+        """Rank 0 only, never blocking: has the driver asked for a checkpoint (resize coming)?"""
+        if self.world_rank != 0:
+            return False
+        ref = getattr(self, "_request_ref", None)
+        if ref is None:
+            self._request_ref = self.runlog.take_checkpoint_request.remote()
+            return False
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return False
+        self._request_ref = None
+        reason = ray.get(ref)
+        if reason:
+            self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": reason})
+        return bool(reason)
+
     # -- logging ---------------------------------------------------------------------------------
     def begin_attempt(self) -> int:
         attempt = None

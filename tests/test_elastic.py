@@ -145,12 +145,18 @@ def check_same_training(result, reference, small_dataset, whole_curve_rel: float
 def test_grows_when_a_node_joins(cluster, reference, small_dataset, tmp_path):
     set_slot_nodes(cluster, 1)
     t0 = time.time()
-    bg = Background(config(tmp_path, small_dataset, "grow", *ELASTIC))
+    # No periodic checkpoints after step 4: only the one asked for when the node joins saves work.
+    bg = Background(config(tmp_path, small_dataset, "grow", *ELASTIC, "checkpoint.every_steps=100000"))
     event = bg.wait_step(5, timeout=90)
     assert event["world_size"] == 1
     added_at = time.time()
     cluster.add_node(num_cpus=1, resources={"slot": 1})
     result = bg.join(timeout=150)
+    recs = metrics(result)
+    step_at_join = max(r["step"] for r in recs if r["attempt"] == 0 and r["time"] <= added_at)
+    resumed_from = min(r["step"] for r in recs if r["world_size"] == 2) - 1
+    print(f"grow: node joined after step {step_at_join}, 2 workers resumed from step {resumed_from}")
+    assert resumed_from >= step_at_join  # the checkpoint asked for on the join: nothing lost
     s = result.summary
     assert s["status"] == "finished"
     assert s["world_sizes"][0] == 1 and 2 in s["world_sizes"], s["world_sizes"]
