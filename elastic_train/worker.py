@@ -153,8 +153,8 @@ class RayWorkerEnv:
         if f.crash_in_checkpoint or f.crash_at_step != step or f.crash_rank != self.world_rank:
             return
         if ray.get(self.runlog.claim_fault.remote(f"crash@{step}")):
-            self.runlog.log_event.remote({"event": "crash_injected", "step": step,
-                                          "rank": self.world_rank})
+            ray.get(self.runlog.log_event.remote({"event": "crash_injected", "step": step,
+                                                  "rank": self.world_rank}))
             os._exit(1)
 
     def maybe_poison_gradient(self, model: torch.nn.Module, step: int) -> None:

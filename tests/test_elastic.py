@@ -22,7 +22,7 @@ from elastic_train.api import train
 
 pytestmark = pytest.mark.chaos
 
-EPOCHS = int(os.environ.get("ET_ELASTIC_EPOCHS", "25"))
+EPOCHS = int(os.environ.get("ET_ELASTIC_EPOCHS", "15"))
 ELASTIC = ["scaling.min_workers=1", "scaling.max_workers=2"]
 
 
