@@ -231,8 +231,11 @@ def train_loop(cfg: Config, env) -> None:
                     ))
                 env.maybe_crash(state.step)
                 periodic = cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0
-                if periodic or requested:  # requested: the driver expects a resize
-                    save(env, cfg, raw_model, optimizer, scaler, state, final=False)
+                if periodic or requested:
+                    # requested: the driver expects a resize; commit it before going on (SYNC)
+                    save(env, cfg, raw_model, optimizer, scaler, state, final=False, sync=bool(requested))
+                    if requested:
+                        env.checkpoint_committed(state.step)
         finally:
             stream.close()
     save(env, cfg, raw_model, optimizer, scaler, state, final=True)
@@ -245,7 +248,8 @@ def _cuda_memory(device: torch.device) -> dict[str, int]:
             "cuda_reserved_bytes": torch.cuda.memory_reserved(device)}
 
 
-def save(env, cfg: Config, model, optimizer, scaler, state: TrainState, final: bool) -> float:
+def save(env, cfg: Config, model, optimizer, scaler, state: TrainState, final: bool,
+         sync: bool = False) -> float:
     """Snapshot on rank 0 (the blocking part) and hand it to Ray to write in the background."""
     if state.step == env.last_saved_step:  # e.g. the final save right after a periodic one
         return 0.0
@@ -253,7 +257,7 @@ def save(env, cfg: Config, model, optimizer, scaler, state: TrainState, final: b
     snap = None
     if env.world_rank == 0:
         snap = snapshot(model, optimizer, scaler, asdict(state), cfg.to_dict(), env.world_size)
-    env.save_checkpoint(snap, state.step, final=final)
+    env.save_checkpoint(snap, state.step, final=final or sync)
     blocked_s = time.perf_counter() - t0
     if env.world_rank == 0:
         env.log_event({"event": "checkpoint", "step": state.step, "blocked_s": blocked_s,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import ray
 
@@ -58,6 +59,17 @@ class NodeWatcher:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def _checkpoint_first(self, reason: str, timeout_s: float = 15.0) -> None:
+        """Ask the workers for a checkpoint and wait (bounded) until it is committed, so that the
+        resize that follows the refresh restarts from the current step."""
+        ray.get(self.runlog.request_checkpoint.remote(reason))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if ray.get(self.runlog.requested_checkpoint_step.remote()) is not None:
+                return
+            time.sleep(0.1)
+        logger.info("no checkpoint within %.0f s of a node joining; resizing anyway", timeout_s)
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
@@ -67,7 +79,7 @@ class NodeWatcher:
             lost, joined = self._alive - now, now - self._alive
             self._alive = now
             if joined and self.runlog is not None:
-                self.runlog.request_checkpoint.remote(f"{len(joined)} node(s) joined")
+                self._checkpoint_first(f"{len(joined)} node(s) joined")
             if lost or joined:
                 self.losses.extend(lost)
                 self.joins.extend(joined)

@@ -93,6 +93,7 @@ class RunLog:
         self.latest: dict[str, Any] | None = None
         self.fatal: str | None = None
         self.checkpoint_request: str | None = None
+        self.requested_step: int | None = None
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
 
@@ -128,10 +129,18 @@ class RunLog:
     def request_checkpoint(self, reason: str) -> None:
         """The driver expects a resize: workers checkpoint at their next step."""
         self.checkpoint_request = reason
+        self.requested_step = None
 
     def take_checkpoint_request(self) -> str | None:
         reason, self.checkpoint_request = self.checkpoint_request, None
         return reason
+
+    def checkpoint_done(self, step: int) -> None:
+        """Rank 0 committed the requested checkpoint (of this step)."""
+        self.requested_step = step
+
+    def requested_checkpoint_step(self) -> int | None:
+        return self.requested_step
 
     def set_fatal(self, message: str) -> None:
         """A worker decided the run cannot go on (e.g. non-finite gradients after a rollback)."""

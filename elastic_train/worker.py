@@ -125,6 +125,10 @@ class RayWorkerEnv:
             self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": reason})
         return bool(reason)
 
+    def checkpoint_committed(self, step: int) -> None:
+        if self.world_rank == 0:
+            ray.get(self.runlog.checkpoint_done.remote(step))
+
     # -- logging ---------------------------------------------------------------------------------
     def begin_attempt(self) -> int:
         attempt = None
