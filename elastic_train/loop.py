@@ -8,7 +8,6 @@ torch.distributed and runs in a 2-process gloo test without Ray.
 from __future__ import annotations
 
 import math
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -264,7 +263,3 @@ def save(env, cfg: Config, model, optimizer, scaler, state: TrainState, final: b
                        "final": final})
     return blocked_s
 
-
-def maybe_exit_hard() -> None:
-    """Die like a killed process: no cleanup, no exception handling."""
-    os._exit(1)
