@@ -1,6 +1,9 @@
 """Overhead and scaling: elastic-train against plain torchrun DDP and one process, same batches.
 
-(a) elastic-train, local Ray cluster, 2 CPU workers (1 thread each)
+(a) elastic-train, local Ray cluster, 2 CPU workers (1 thread each), train.grad_reduce=ddp: the
+    same gradient reduction as (b)
+(e) the same with the default train.grad_reduce=exact (float64 sums: the price of bitwise
+    world-size invariance)
 (b) torchrun, 2 gloo processes (1 thread each), benchmarks/_ddp_baseline.py
 (c) one process, 2 threads, the same script
 (d) elastic-train with 1 worker (scaling against the ideal 2x)
@@ -30,13 +33,13 @@ def steady(times: list[float], tokens: list[int]) -> float:
     return sum(tokens[WARMUP + 1:]) / (times[-1] - times[WARMUP])
 
 
-def run_elastic(steps: int, workers: int, storage: str) -> dict:
-    name = f"overhead-{workers}w"
+def run_elastic(steps: int, workers: int, storage: str, reduce: str = "ddp") -> dict:
+    name = f"overhead-{workers}w-{reduce}"
     start = time.time()
     subprocess.run(
         [str(ROOT / ".venv/bin/elastic-train"), "train", *COMMON, f"train.max_steps={steps}",
          f"run.storage_path={storage}", f"run.name={name}", f"scaling.min_workers={workers}",
-         f"scaling.max_workers={workers}"],
+         f"scaling.max_workers={workers}", f"train.grad_reduce={reduce}"],
         check=True, capture_output=True, text=True,
     )
     recs = [json.loads(x) for x in (Path(storage) / name / "metrics.jsonl").read_text().splitlines()]
@@ -70,6 +73,7 @@ def main() -> None:
         b = run_baseline(args.steps, 2, 1)
         c = run_baseline(args.steps, 1, 2)
         d = run_elastic(args.steps, 1, storage)
+        e = run_elastic(args.steps, 2, storage, reduce="exact")
     grad_bytes = b["params"] * 4
     allreduce_s = 2 * 0.5 * grad_bytes / (b["allreduce_gbps"] * 1e9)
     figures = {
@@ -78,6 +82,8 @@ def main() -> None:
         "single_2t_tokens_per_s": c["tokens_per_s"], "elastic_1w_tokens_per_s": d["tokens_per_s"],
         "ratio_elastic_vs_torchrun": a["tokens_per_s"] / b["tokens_per_s"],
         "ratio_elastic_vs_single": a["tokens_per_s"] / c["tokens_per_s"],
+        "elastic_2w_exact_tokens_per_s": e["tokens_per_s"],
+        "ratio_exact_vs_ddp_reduce": e["tokens_per_s"] / a["tokens_per_s"],
         "scaling_2w_vs_ideal": a["tokens_per_s"] / (2 * d["tokens_per_s"]),
         "startup_s": {"elastic_2w": a["startup_s"], "torchrun_2p": b["startup_s"],
                       "single": c["startup_s"]},
@@ -91,9 +97,12 @@ def main() -> None:
     print(f"| (b) torchrun DDP, 2 procs | {b['tokens_per_s']:.0f} | {b['startup_s']:.1f} |")
     print(f"| (c) 1 process, 2 threads | {c['tokens_per_s']:.0f} | {c['startup_s']:.1f} |")
     print(f"| (d) elastic-train, 1 worker | {d['tokens_per_s']:.0f} | - |")
+    print(f"| (e) elastic-train, 2 workers, grad_reduce=exact | {e['tokens_per_s']:.0f} | "
+          f"{e['startup_s']:.1f} |")
     print(f"a/b = {figures['ratio_elastic_vs_torchrun']:.3f}, "
           f"a/c = {figures['ratio_elastic_vs_single']:.3f}, "
-          f"a/(2d) = {figures['scaling_2w_vs_ideal']:.3f}; gradient {grad_bytes / 1e6:.1f} MB, "
+          f"a/(2d) = {figures['scaling_2w_vs_ideal']:.3f}, "
+          f"e/a = {figures['ratio_exact_vs_ddp_reduce']:.3f}; gradient {grad_bytes / 1e6:.1f} MB, "
           f"gloo all-reduce {b['allreduce_gbps']:.2f} GB/s -> {allreduce_s * 1e3:.1f} ms/step")
     print(json.dumps(figures))
 

@@ -80,6 +80,7 @@ def init_ray(cfg: Config) -> bool:
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(
         cfg.scaling.worker_group_start_timeout_s
     )
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(cfg.scaling.preemption_poll_interval_s)
     if ray.is_initialized():
         return False
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")

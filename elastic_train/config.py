@@ -42,6 +42,7 @@ class ScalingConfig:
     health_check_interval_s: float = 0.2  # controller poll; ray.train.report waits for it
     worker_group_start_timeout_s: float = 60.0  # give up starting a group of this size after
     resize_monitor_interval_s: float = 5.0  # how often an elastic run looks for room to grow
+    preemption_poll_interval_s: float = 1.0  # how often Ray looks for nodes being drained (spot notices)
     torch_threads: int = 1  # intra-op threads per CPU worker
 
 
@@ -78,6 +79,10 @@ class TrainConfig:
     seed: int = 0  # model initialisation
     max_consecutive_skips: int = 3  # non-finite steps in a row before rolling back
     compile: bool = False  # torch.compile the model
+    # exact: sum micro-batch gradients and all-reduce them in float64, so a step's gradient is the
+    # same to the bit at any world size (8 bytes/param more memory, twice the all-reduce bytes);
+    # ddp: torch DDP (fp32, overlaps the last backward), curves differ by fp32 round-off across sizes
+    grad_reduce: str = "exact"
 
 
 @dataclass
@@ -288,6 +293,7 @@ def validate(cfg: Config) -> None:
         f"scaling.max_workers ({s.max_workers}): it holds {partitions} micro-batches of "
         f"data.micro_batch_tokens ({d.micro_batch_tokens}); it needs at least one per worker",
     )
+    _require(s.preemption_poll_interval_s > 0, "scaling.preemption_poll_interval_s must be > 0")
     _require(d.shuffle_window >= 1, "data.shuffle_window must be >= 1")
     _require(d.prefetch_steps >= 1, "data.prefetch_steps must be >= 1")
     _require(d.reader in ("pyarrow", "ray_data"),
@@ -297,6 +303,10 @@ def validate(cfg: Config) -> None:
     _require(
         t.precision in ("fp32", "bf16", "fp16"),
         f"train.precision must be fp32, bf16 or fp16, got {t.precision!r}",
+    )
+    _require(
+        t.grad_reduce in ("exact", "ddp"),
+        f"train.grad_reduce must be exact or ddp, got {t.grad_reduce!r}",
     )
     _require(
         t.precision != "fp16" or s.use_gpu,

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
@@ -59,6 +60,60 @@ def autocast_context(precision: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+class ExactGradSum:
+    """World-size-invariant gradient reduction (`train.grad_reduce=exact`).
+
+    A micro-batch's gradient does not depend on the world size: the same rows, the same weights.
+    What does is the order in which they are summed: one rank adds 8 of them in turn, two ranks add
+    4 each and then each other's sums, and fp32 rounds differently. Here each micro-batch's gradient
+    is added to a float64 buffer as soon as its backward ends, and the buffers are all-reduced in
+    float64: a sum of fp32 numbers in float64 is exact, or off by 2**-53 relative, far below the
+    2**-24 of the final cast back to fp32, so the gradient comes out the same to the bit whatever the
+    order. The model is not wrapped in DDP on this path; there is one all-reduce per step.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float64,
+                                device=device)
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def add_grads(self) -> None:
+        """Move the gradients of the backward that just ended into the float64 sum."""
+        for p, acc in zip(self.params, self.views, strict=True):
+            if p.grad is not None:
+                acc.add_(p.grad)
+                p.grad = None
+
+    def finish(self) -> None:
+        """All-reduce the sums and leave them in `.grad` (fp32), ready for clipping and the step."""
+        if _distributed():
+            dist.all_reduce(self.flat)
+        for p, acc in zip(self.params, self.views, strict=True):
+            p.grad = acc.to(p.dtype, copy=True)
+        self.flat.zero_()
+
+    @staticmethod
+    def broadcast_parameters(model: torch.nn.Module) -> None:
+        """Start every rank from rank 0's weights, as DDP's constructor does."""
+        if _distributed():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def micro_batch_seed(seed: int, step: int, partition: int) -> int:
+    """The RNG seed of one micro-batch (dropout): a function of the step and partition, so that
+    random ops, like the data, do not depend on the world size or on restarts."""
+    return int(np.random.SeedSequence([seed, step, partition]).generate_state(1, np.uint64)[0] >> 1)
+
+
 def forward_backward(
     model: torch.nn.Module,
     micro_batches: list[MicroBatch],
@@ -68,18 +123,22 @@ def forward_backward(
     device: torch.device,
     precision: str = "fp32",
     scaler: Any = None,
+    exact: ExactGradSum | None = None,
+    step_seed: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Accumulate this rank's share of one global step's gradient; return its summed loss.
 
-    Each micro-batch's loss sum is scaled by world_size / global_targets: DDP averages over ranks,
-    so the result is the gradient of (total loss / total real targets) over the global batch, the
-    same as one process computes on the whole batch. DDP syncs only on the last backward.
+    The result in `.grad` is the gradient of (total loss / total real targets) over the global
+    batch, the same as one process computes on the whole batch. With `exact`, each micro-batch's
+    loss sum is scaled by 1 / global_targets and the gradients summed by `ExactGradSum`. Without
+    it (a DDP model), by world_size / global_targets, since DDP averages over ranks, and DDP syncs
+    only on the last backward. `step_seed` = (seed, step) seeds each micro-batch's random ops.
     """
     ddp = isinstance(model, DistributedDataParallel)
-    scale = world_size / max(global_targets, 1.0)
+    scale = (1.0 if exact is not None else world_size) / max(global_targets, 1.0)
     backward = (lambda x: scaler.scale(x).backward()) if scaler is not None else torch.Tensor.backward
-    total = torch.zeros((), device=device)
-    if not micro_batches:
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if not micro_batches and exact is None:
         # This rank's partitions ran dry in the epoch's last steps: join DDP's all-reduce with a
         # zero gradient (a real forward, so that DDP's reducer is prepared as usual).
         dummy = torch.zeros((1, 2), dtype=torch.long, device=device)
@@ -89,13 +148,19 @@ def forward_backward(
         return total
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
+        if step_seed is not None:
+            torch.manual_seed(micro_batch_seed(*step_seed, mb.partition))
         with nullcontext() if (last or not ddp) else model.no_sync():
             tokens = torch.from_numpy(mb.tokens).to(device, non_blocking=True)
             lengths = torch.from_numpy(mb.lengths).to(device, non_blocking=True)
             with autocast_context(precision, device):
                 loss_sum, _ = token_loss_sum(model, tokens, lengths)
             backward(loss_sum * scale)
-        total += loss_sum.detach().float()
+        if exact is not None:
+            exact.add_grads()
+        total += loss_sum.detach().double()
+    if exact is not None:
+        exact.finish()  # an empty rank joins the all-reduce with zeros
     return total
 
 
@@ -150,7 +215,12 @@ def train_loop(cfg: Config, env) -> None:
     ckpt_dir = env.latest_checkpoint_dir()
     if ckpt_dir is not None:
         state = TrainState(**load_checkpoint(ckpt_dir, raw_model, optimizer, scaler))
-    model = env.prepare_model(model)
+    exact = cfg.train.grad_reduce == "exact"
+    model = env.prepare_model(model, ddp=not exact)
+    reducer = None
+    if exact:
+        ExactGradSum.broadcast_parameters(raw_model)
+        reducer = ExactGradSum(raw_model, device)
     if cfg.train.compile:
         model = torch.compile(model)
     attempt = env.begin_attempt()
@@ -195,6 +265,7 @@ def train_loop(cfg: Config, env) -> None:
                 local_loss = forward_backward(
                     model, micro_batches, global_targets=targets, world_size=world_size,
                     device=device, precision=cfg.train.precision, scaler=scaler,
+                    exact=reducer, step_seed=(cfg.train.seed, state.step),
                 )
                 env.maybe_poison_gradient(raw_model, state.step + 1)
                 t2 = time.perf_counter()

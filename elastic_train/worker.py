@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -56,10 +58,13 @@ class RayWorkerEnv:
         self.last_saved_step = -1
         self._nonfinite_pending: list[int] = []
         self.fatal: str | None = None  # set when the run must stop (see handle_nonfinite)
+        self._last_poll: float | None = None  # preemption_notice: when it last ran ...
+        self._step_intervals: deque[float] = deque(maxlen=8)  # ... and the times between
 
     # -- model, data, checkpoints --------------------------------------------------------------
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return ray.train.torch.prepare_model(model)
+    def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module:
+        """Move to this worker's device; wrap in DDP unless the loop reduces gradients itself."""
+        return ray.train.torch.prepare_model(model, parallel_strategy="ddp" if ddp else None)
 
     def epoch_rows(self, epoch: int):
         if self.cfg.data.reader == "ray_data":
@@ -109,9 +114,16 @@ class RayWorkerEnv:
         )
 
     def checkpoint_requested(self) -> bool:
-        """Rank 0 only, never blocking: has the driver asked for a checkpoint (resize coming)?"""
+        """Rank 0 only, never blocking: is a resize coming, so that a checkpoint now saves work?
+
+        Either Ray announced that a node of this group is being drained (a spot reclaim or a
+        scale-down: `preemption_notice`), or the driver's node watcher asked (a node joined)."""
         if self.world_rank != 0:
             return False
+        notice = self.preemption_notice()
+        if notice:
+            self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": notice})
+            return True
         ref = getattr(self, "_request_ref", None)
         if ref is None:
             self._request_ref = self.runlog.take_checkpoint_request.remote()
@@ -124,6 +136,43 @@ class RayWorkerEnv:
         if reason:
             self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": reason})
         return bool(reason)
+
+    def preemption_notice(self) -> str | None:
+        """Why to checkpoint now because a node of this group is being drained; None otherwise.
+
+        Ray Train's PreemptionWatcher polls Ray's drain table (spot reclaims, scale-downs) and marks
+        every worker; the group keeps running until the drain deadline, then Ray restarts it
+        without that node. A new notice asks for a checkpoint at once; when the notice carries a
+        deadline, one more is asked for as late as is safe (three of the slowest recent step
+        times, a checkpoint's included, and 0.5 s before it),
+        so that at most a few steps are lost. This reads the mark where
+        `ray.train.get_preemption_info()` reads it, without that call's barrier across workers (an
+        actor round trip on every step): the step's own all-reduce spreads rank 0's answer.
+        Ray-internal; if a later Ray moves it, drains are not seen here and cost what a lost node
+        costs.
+        """
+        now = time.monotonic()
+        if self._last_poll is not None:  # once per step: the recent step times, checkpoints too
+            self._step_intervals.append(now - self._last_poll)
+        self._last_poll = now
+        try:
+            from ray.train.v2._internal.execution.context import get_train_context
+
+            info = get_train_context().preemption_context.preemption_info
+        except Exception:  # noqa: BLE001 - see the docstring
+            return None
+        if info is None:
+            return None
+        nodes = ", ".join(n[:12] for n in info.preempted_node_ids)
+        if info != getattr(self, "_preemption_seen", None):
+            self._preemption_seen, self._late_saved = info, False
+            return f"node(s) {nodes} draining (ranks {info.preempted_ranks}, deadline_ms {info.deadline_ms})"
+        if info.deadline_ms and not self._late_saved:
+            left = info.deadline_ms / 1000 - time.time()
+            if left < 3 * max(self._step_intervals, default=1.0) + 0.5:
+                self._late_saved = True
+                return f"node(s) {nodes} drained in {left:.1f} s: the last checkpoint before"
+        return None
 
     def checkpoint_committed(self, step: int) -> None:
         if self.world_rank == 0:

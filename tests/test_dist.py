@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from elastic_train.config import ModelConfig
 from elastic_train.data import pad_rows
-from elastic_train.loop import forward_backward
+from elastic_train.loop import ExactGradSum, forward_backward
 from elastic_train.model import build_model, token_loss_sum
 
 pytestmark = pytest.mark.dist
@@ -74,3 +74,41 @@ def test_ddp_accumulated_gradient_matches_single_process(tmp_path, rank1_empty):
             assert rel < 1e-5, (rank, name, float(rel))
     # The reference is not trivially equal to a per-rank mean of per-rank means.
     assert os.path.getsize(f"{out}.0") > 0
+
+
+DROPOUT_MODEL = ModelConfig(n_layer=1, d_model=32, n_head=2, dropout=0.1)
+
+
+def exact_grads(micro_batches, targets: float) -> dict[str, torch.Tensor]:
+    """train.grad_reduce=exact on this process's share (a process group, if any, is initialised)."""
+    torch.manual_seed(0)
+    model = build_model(DROPOUT_MODEL, 64)
+    ExactGradSum.broadcast_parameters(model)
+    reducer = ExactGradSum(model, torch.device("cpu"))
+    forward_backward(model, micro_batches, global_targets=targets, world_size=1,
+                     device=torch.device("cpu"), exact=reducer, step_seed=(3, 17))
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _exact_worker(rank: int, world_size: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    mbs = global_batch(6)
+    mine = [mb for mb in mbs if mb.partition % world_size == rank]
+    torch.save(exact_grads(mine, sum(mb.targets for mb in mbs)), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_exact_reduce_is_the_same_to_the_bit_at_any_world_size(tmp_path, world_size):
+    """float64 sums and per-partition dropout seeds: W ranks give one process's gradient exactly."""
+    out = str(tmp_path / "grads")
+    mp.start_processes(_exact_worker, args=(world_size, str(tmp_path / "init"), out), nprocs=world_size,
+                       start_method="spawn")
+    torch.set_num_threads(1)
+    mbs = global_batch(6)
+    ref = exact_grads(mbs, sum(mb.targets for mb in mbs))
+    for rank in range(world_size):
+        grads = torch.load(f"{out}.{rank}")
+        for name, g in ref.items():
+            assert torch.equal(grads[name], g), (rank, name, float((grads[name] - g).abs().max()))

@@ -40,8 +40,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def test_nan_on_one_rank_is_skipped_by_every_rank(ray_cluster, small_dataset, tmp_path):
+    # Through torch DDP (train.grad_reduce=ddp): the other runs here use the default exact reduce.
     result = run(tmp_path, small_dataset, "nan_once", "fault.nan_at_step=5", "fault.nan_rank=1",
-                 "checkpoint.every_steps=0")
+                 "checkpoint.every_steps=0", "train.grad_reduce=ddp")
     s = result.summary
     assert s["status"] == "finished" and s["restarts"] == 0 and s["steps"] == 10
     assert s["skipped_steps"] == 1 and math.isfinite(s["final_loss"])
@@ -51,7 +52,7 @@ def test_nan_on_one_rank_is_skipped_by_every_rank(ray_cluster, small_dataset, tm
     assert [r["step"] for r in records if r["skipped"]] == [5]
     assert all(math.isfinite(r["loss"]) for r in records)
     assert [r["skipped_steps"] for r in records] == [0] * 4 + [1] * 6
-    # Had rank 1 stepped on its NaN, DDP's next all-reduce would have spread it to every rank.
+    # Had rank 1 stepped on its NaN, the next all-reduce would have spread it to every rank.
     model = torch.load(Path(result.checkpoint_path) / "model.pt")
     assert all(torch.isfinite(t).all() for t in model.values())
     events = read_jsonl(Path(result.run_dir) / "events.jsonl")

@@ -161,30 +161,3 @@ def test_tensorboard_writer(tmp_path):
     first = EventAccumulator(str(tmp_path / "tensorboard" / "attempt_000"))
     first.Reload()
     assert [e.step for e in first.Scalars("grad_norm")] == [1, 3, 4]
-
-
-@pytest.mark.ray
-def test_report_real_run_with_crash(tmp_path, tiny, small_dataset, ray_cluster):
-    from elastic_train import load_config, train
-
-    cfg = load_config(None, tiny + [
-        f"data.path={small_dataset}", "train.max_steps=12", "checkpoint.every_steps=4",
-        "fault.crash_at_step=6", "fault.crash_rank=1", f"run.storage_path={tmp_path}",
-        "run.name=crash", "scaling.min_workers=2", "scaling.max_workers=2",
-    ])
-    summary = train(cfg).summary
-    assert summary["status"] == "finished" and summary["steps"] == 12
-    assert summary["restarts"] == 1 and summary["replayed_steps"] == 2  # steps 5, 6
-    lg = summary["ledger"]
-    assert 0 < summary["goodput"] < 1
-    assert sum(lg[p] for p in LEDGER_PARTS) == pytest.approx(lg["wall_s"], rel=0.02)
-    assert all(lg[p] >= -0.01 * lg["wall_s"] for p in LEDGER_PARTS), lg
-    assert lg["recovery_s"] > 0 and lg["replayed_s"] > 0 and lg["checkpoint_s"] > 0
-    assert lg["other_s"] < 0.1 * lg["wall_s"], lg
-
-    report = make_report(tmp_path / "crash")
-    assert sorted({r["attempt"] for r in report.run.records}) == [0, 1]
-    assert [(m.kind, m.attempt, m.step) for m in report.loss_marks] == [("restart", 1, 4)]
-    assert len(report.throughput_marks) == 1
-    check_png(report.loss_png)
-    check_png(report.throughput_png)
