@@ -1,15 +1,16 @@
 """Overhead and scaling: elastic-train against plain torchrun DDP and one process, same batches.
 
-(a) elastic-train, local Ray cluster, 2 CPU workers (1 thread each), train.grad_reduce=ddp: the
-    same gradient reduction as (b)
-(e) the same with the default train.grad_reduce=exact (float64 sums: the price of bitwise
-    world-size invariance)
-(b) torchrun, 2 gloo processes (1 thread each), benchmarks/_ddp_baseline.py
+(a) elastic-train as a user runs it: local Ray cluster, 2 CPU workers (1 thread each), the default
+    train.grad_reduce=exact (float64 sums, one all-reduce per step, no DDP wrapper)
+(e) the same with train.grad_reduce=ddp: torch DDP, the same gradient reduction as (b)
+(b) torchrun, 2 gloo processes (1 thread each), benchmarks/_ddp_baseline.py (torch DDP)
 (c) one process, 2 threads, the same script
 (d) elastic-train with 1 worker (scaling against the ideal 2x)
 Steady-state real tokens/s skips the first WARMUP steps; start-up (launch to first step) apart.
+With --repeat R, a, b and e run R times in turn (a b e a b e ...) and each figure is the median:
+the machine's load drifts over minutes, and taking turns spreads it over all three.
 
-    .venv/bin/python benchmarks/overhead.py [--steps 30]
+    .venv/bin/python benchmarks/overhead.py [--steps 30] [--repeat 1]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,8 +35,8 @@ def steady(times: list[float], tokens: list[int]) -> float:
     return sum(tokens[WARMUP + 1:]) / (times[-1] - times[WARMUP])
 
 
-def run_elastic(steps: int, workers: int, storage: str, reduce: str = "ddp") -> dict:
-    name = f"overhead-{workers}w-{reduce}"
+def run_elastic(steps: int, workers: int, storage: str, reduce: str) -> dict:
+    name = f"overhead-{workers}w-{reduce}-{time.time_ns()}"
     start = time.time()
     subprocess.run(
         [str(ROOT / ".venv/bin/elastic-train"), "train", *COMMON, f"train.max_steps={steps}",
@@ -64,16 +66,26 @@ def run_baseline(steps: int, nproc: int, threads: int) -> dict:
             "allreduce_gbps": res["allreduce_gbps"]}
 
 
+def median_run(runs: list[dict]) -> dict:
+    return {**runs[0], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+            "startup_s": statistics.median(r["startup_s"] for r in runs),
+            "all_tokens_per_s": [round(r["tokens_per_s"]) for r in runs]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--repeat", type=int, default=1)
     args = p.parse_args()
+    runs: dict[str, list[dict]] = {"a": [], "b": [], "e": []}
     with tempfile.TemporaryDirectory() as storage:
-        a = run_elastic(args.steps, 2, storage)
-        b = run_baseline(args.steps, 2, 1)
+        for _ in range(args.repeat):
+            runs["a"].append(run_elastic(args.steps, 2, storage, reduce="exact"))
+            runs["b"].append(run_baseline(args.steps, 2, 1))
+            runs["e"].append(run_elastic(args.steps, 2, storage, reduce="ddp"))
         c = run_baseline(args.steps, 1, 2)
-        d = run_elastic(args.steps, 1, storage)
-        e = run_elastic(args.steps, 2, storage, reduce="exact")
+        d = run_elastic(args.steps, 1, storage, reduce="exact")
+    a, b, e = (median_run(runs[k]) for k in "abe")
     grad_bytes = b["params"] * 4
     allreduce_s = 2 * 0.5 * grad_bytes / (b["allreduce_gbps"] * 1e9)
     figures = {
@@ -82,8 +94,11 @@ def main() -> None:
         "single_2t_tokens_per_s": c["tokens_per_s"], "elastic_1w_tokens_per_s": d["tokens_per_s"],
         "ratio_elastic_vs_torchrun": a["tokens_per_s"] / b["tokens_per_s"],
         "ratio_elastic_vs_single": a["tokens_per_s"] / c["tokens_per_s"],
-        "elastic_2w_exact_tokens_per_s": e["tokens_per_s"],
-        "ratio_exact_vs_ddp_reduce": e["tokens_per_s"] / a["tokens_per_s"],
+        "elastic_2w_ddp_reduce_tokens_per_s": e["tokens_per_s"],
+        "ratio_elastic_ddp_reduce_vs_torchrun": e["tokens_per_s"] / b["tokens_per_s"],
+        "repeat": args.repeat,
+        "all_tokens_per_s": {"a": a["all_tokens_per_s"], "b": b["all_tokens_per_s"],
+                             "e": e["all_tokens_per_s"]},
         "scaling_2w_vs_ideal": a["tokens_per_s"] / (2 * d["tokens_per_s"]),
         "startup_s": {"elastic_2w": a["startup_s"], "torchrun_2p": b["startup_s"],
                       "single": c["startup_s"]},
@@ -91,18 +106,18 @@ def main() -> None:
         "gradient_bytes": grad_bytes, "gloo_allreduce_gbps": b["allreduce_gbps"],
         "allreduce_s_per_step": allreduce_s,
     }
-    print("| run | steady real tokens/s | start-up s |")
+    print(f"| run | steady real tokens/s (median of {args.repeat}) | start-up s |")
     print("|---|---|---|")
     print(f"| (a) elastic-train, 2 workers | {a['tokens_per_s']:.0f} | {a['startup_s']:.1f} |")
     print(f"| (b) torchrun DDP, 2 procs | {b['tokens_per_s']:.0f} | {b['startup_s']:.1f} |")
     print(f"| (c) 1 process, 2 threads | {c['tokens_per_s']:.0f} | {c['startup_s']:.1f} |")
     print(f"| (d) elastic-train, 1 worker | {d['tokens_per_s']:.0f} | - |")
-    print(f"| (e) elastic-train, 2 workers, grad_reduce=exact | {e['tokens_per_s']:.0f} | "
+    print(f"| (e) elastic-train, 2 workers, grad_reduce=ddp | {e['tokens_per_s']:.0f} | "
           f"{e['startup_s']:.1f} |")
     print(f"a/b = {figures['ratio_elastic_vs_torchrun']:.3f}, "
           f"a/c = {figures['ratio_elastic_vs_single']:.3f}, "
           f"a/(2d) = {figures['scaling_2w_vs_ideal']:.3f}, "
-          f"e/a = {figures['ratio_exact_vs_ddp_reduce']:.3f}; gradient {grad_bytes / 1e6:.1f} MB, "
+          f"e/b = {figures['ratio_elastic_ddp_reduce_vs_torchrun']:.3f}; gradient {grad_bytes / 1e6:.1f} MB, "
           f"gloo all-reduce {b['allreduce_gbps']:.2f} GB/s -> {allreduce_s * 1e3:.1f} ms/step")
     print(json.dumps(figures))
 

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 START_TIMEOUT_S = 10
@@ -65,19 +66,27 @@ def main() -> None:
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     ray.init(address=cluster.address, log_to_driver=False)
-    code = 1
+    figures = None
     try:
-        measure(cluster, args, load_config, train, autoscaler_pb2)
-        code = 0
+        figures = measure(cluster, args, load_config, train, autoscaler_pb2)
+    except BaseException:
+        traceback.print_exc()
     finally:
         # Abandon the run rather than wait out its epochs: stop every node's processes, then leave
         # without joining the driver's training thread.
-        cluster.shutdown()
-        sys.stdout.flush()
-        os._exit(code)
+        try:
+            ray.shutdown()
+            cluster.shutdown()
+        except Exception:  # noqa: BLE001 - the training thread may have reconnected; exiting anyway
+            pass
+        finally:
+            if figures is not None:  # again, last: Ray prints its nodes' exits to stdout meanwhile
+                print(json.dumps(figures))
+            sys.stdout.flush()
+            os._exit(0 if figures is not None else 1)
 
 
-def measure(cluster, args, load_config, train, autoscaler_pb2) -> None:
+def measure(cluster, args, load_config, train, autoscaler_pb2) -> dict:
     import ray
 
     slots = [cluster.add_node(num_cpus=1, resources={"slot": 1}) for _ in range(2)]
@@ -105,27 +114,27 @@ def measure(cluster, args, load_config, train, autoscaler_pb2) -> None:
     threading.Thread(target=run, daemon=True).start()
     results: dict[str, list[dict]] = {"shrink": [], "grow": [], "drain": []}
 
-    def last_step() -> int:
-        return max(r["step"] for r in read_metrics(run_dir))
-
     def settle(world_size: int, after: float) -> dict:
-        """The first step at world_size after `after`, and 5 more steps (a steady state)."""
+        """The first step at world_size after `after` (with the steps lost: the last step trained
+        before it minus the step it resumed from), once 5 more steps went by (a steady state)."""
         first = wait_for(run_dir, lambda r: r["world_size"] == world_size and r["time"] > after)
         wait_for(run_dir, lambda r: r["step"] >= first["step"] + 5)
-        return first
+        trained = max((r["step"] for r in read_metrics(run_dir) if r["time"] < first["time"]),
+                      default=first["step"] - 1)
+        return {**first, "lost": trained - (first["step"] - 1)}
 
     settle(2, 0.0)
     for cycle in range(args.cycles):
         # shrink: a node dies without warning
-        step, t = last_step(), time.time()
+        t = time.time()
         cluster.remove_node(slots.pop(), allow_graceful=False)
         first = settle(1, t)
-        results["shrink"].append({"s": first["time"] - t, "steps_lost": step - (first["step"] - 1)})
+        results["shrink"].append({"s": first["time"] - t, "steps_lost": first["lost"]})
         # grow: a node joins
-        step, t = last_step(), time.time()
+        t = time.time()
         slots.append(cluster.add_node(num_cpus=1, resources={"slot": 1}))
         first = settle(2, t)
-        results["grow"].append({"s": first["time"] - t, "steps_lost": step - (first["step"] - 1)})
+        results["grow"].append({"s": first["time"] - t, "steps_lost": first["lost"]})
         # drain: a spot notice with a deadline, then the node is gone
         node = slots.pop()
         accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
@@ -133,10 +142,10 @@ def measure(cluster, args, load_config, train, autoscaler_pb2) -> None:
             "spot notice (benchmark)", int((time.time() + args.deadline) * 1000))
         assert accepted, why
         time.sleep(args.deadline)
-        step, t = last_step(), time.time()
+        t = time.time()
         cluster.remove_node(node, allow_graceful=False)
         first = settle(1, t)
-        results["drain"].append({"s": first["time"] - t, "steps_lost": step - (first["step"] - 1)})
+        results["drain"].append({"s": first["time"] - t, "steps_lost": first["lost"]})
         slots.append(cluster.add_node(num_cpus=1, resources={"slot": 1}))
         settle(2, time.time())
         print(f"cycle {cycle}: " + ", ".join(f"{k} {v[-1]['s']:.1f} s / {v[-1]['steps_lost']} steps lost"
@@ -156,6 +165,7 @@ def measure(cluster, args, load_config, train, autoscaler_pb2) -> None:
         print(f"| {kind} | {', '.join(str(x) for x in figures[f'{kind}_s'])} | "
               f"{', '.join(str(x) for x in figures[f'{kind}_steps_lost'])} |")
     print(json.dumps(figures), flush=True)
+    return figures
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ class NodeWatcher:
     one joins, ask the workers (through the RunLog actor) for a checkpoint, because Ray is about
     to restart the group at a larger size and would otherwise lose the steps since the last one."""
 
-    def __init__(self, runlog=None, interval_s: float = 0.5) -> None:
+    def __init__(self, runlog=None, interval_s: float = 0.25) -> None:
         self.runlog = runlog
         self.interval_s = interval_s
         self.losses: list[str] = []
@@ -83,4 +83,6 @@ class NodeWatcher:
             if lost or joined:
                 self.losses.extend(lost)
                 self.joins.extend(joined)
-                refresh_reservations()
+                refreshed = refresh_reservations()
+                logger.info("nodes lost %s, joined %s; reservations refreshed: %s",
+                            sorted(n[:12] for n in lost), sorted(n[:12] for n in joined), refreshed)
