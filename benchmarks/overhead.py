@@ -22,8 +22,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 5
@@ -35,19 +38,71 @@ def steady(times: list[float], tokens: list[int]) -> float:
     return sum(tokens[WARMUP + 1:]) / (times[-1] - times[WARMUP])
 
 
+class CpuSampler:
+    """Every 0.25 s: the CPU seconds used so far by the training processes (cmdline contains
+    `match`, not `exclude`) and by the whole machine (/proc/stat), to split a steady window's
+    CPU between training and everything else."""
+
+    def __init__(self, match: str, exclude: str = "\0") -> None:
+        self.match, self.exclude, self.samples = match, exclude, []
+        self._seen: dict[int, psutil.Process] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        while not self._stop.wait(0.25):
+            for proc in psutil.process_iter(["cmdline"]):
+                cmd = " ".join(proc.info["cmdline"] or [])
+                if self.match in cmd and self.exclude not in cmd:
+                    self._seen.setdefault(proc.pid, proc)
+            train = 0.0
+            for proc in list(self._seen.values()):
+                try:
+                    t = proc.cpu_times()
+                    train += t.user + t.system
+                except psutil.Error:
+                    self._seen.pop(proc.pid, None)
+            with open("/proc/stat") as f:
+                ticks = [int(x) for x in f.readline().split()[1:]]
+            busy = (sum(ticks) - ticks[3] - ticks[4]) / tick
+            self.samples.append((time.time(), train, busy, sum(ticks) / tick))
+
+    def window(self, times: list[float]) -> dict:
+        """CPU split over the steady steps: training CPU-s per step, training's share of the
+        machine, everything else's share."""
+        inside = [s for s in self.samples if times[WARMUP] <= s[0] <= times[-1]]
+        if len(inside) < 2:
+            return {}
+        (t0, train0, busy0, total0), (t1, train1, busy1, total1) = inside[0], inside[-1]
+        steps = sum(1 for t in times if t0 < t <= t1)
+        return {"train_cpu_s_per_step": (train1 - train0) / max(steps, 1),
+                "train_share_of_machine": (train1 - train0) / (total1 - total0),
+                "other_share_of_machine": (busy1 - busy0 - (train1 - train0)) / (total1 - total0)}
+
+
 def run_elastic(steps: int, workers: int, storage: str, reduce: str) -> dict:
     name = f"overhead-{workers}w-{reduce}-{time.time_ns()}"
     start = time.time()
-    subprocess.run(
-        [str(ROOT / ".venv/bin/elastic-train"), "train", *COMMON, f"train.max_steps={steps}",
-         f"run.storage_path={storage}", f"run.name={name}", f"scaling.min_workers={workers}",
-         f"scaling.max_workers={workers}", f"train.grad_reduce={reduce}"],
-        check=True, capture_output=True, text=True,
-    )
+    with CpuSampler("RayTrainWorker") as cpu:
+        subprocess.run(
+            [str(ROOT / ".venv/bin/elastic-train"), "train", *COMMON, f"train.max_steps={steps}",
+             f"run.storage_path={storage}", f"run.name={name}", f"scaling.min_workers={workers}",
+             f"scaling.max_workers={workers}", f"train.grad_reduce={reduce}"],
+            check=True, capture_output=True, text=True,
+        )
     recs = [json.loads(x) for x in (Path(storage) / name / "metrics.jsonl").read_text().splitlines()]
     times, tokens = [r["time"] for r in recs], [r["real_tokens"] for r in recs]
     return {"tokens_per_s": steady(times, tokens), "startup_s": times[0] - start,
-            "data_wait_s": sum(r["data_wait_s"] for r in recs[WARMUP:])}
+            "data_wait_s": sum(r["data_wait_s"] for r in recs[WARMUP:]), **cpu.window(times)}
 
 
 def run_baseline(steps: int, nproc: int, threads: int) -> dict:
@@ -58,17 +113,19 @@ def run_baseline(steps: int, nproc: int, threads: int) -> dict:
     else:
         cmd = [sys.executable, script, f"--steps={steps}", f"--threads={threads}"]
     start = time.time()
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+    with CpuSampler("_ddp_baseline.py", exclude="torchrun") as cpu:
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
     res = json.loads(out.strip().splitlines()[-1])
     return {"tokens_per_s": steady(res["times"], res["real_tokens"]),
             "startup_s": res["times"][0] - start, "params": res["params"],
-            "allreduce_gbps": res["allreduce_gbps"]}
+            "allreduce_gbps": res["allreduce_gbps"], **cpu.window(res["times"])}
 
 
 def median_run(runs: list[dict]) -> dict:
-    return {**runs[0], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-            "startup_s": statistics.median(r["startup_s"] for r in runs),
+    keys = ("tokens_per_s", "startup_s", "train_cpu_s_per_step", "train_share_of_machine",
+            "other_share_of_machine")
+    return {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in keys if k in runs[0]},
             "all_tokens_per_s": [round(r["tokens_per_s"]) for r in runs]}
 
 
@@ -105,6 +162,9 @@ def main() -> None:
         "elastic_2w_data_wait_s": a["data_wait_s"],
         "gradient_bytes": grad_bytes, "gloo_allreduce_gbps": b["allreduce_gbps"],
         "allreduce_s_per_step": allreduce_s,
+        "cpu": {k: {f: round(v[f], 3) for f in ("train_cpu_s_per_step", "train_share_of_machine",
+                                                 "other_share_of_machine") if f in v}
+                for k, v in (("elastic_2w", a), ("torchrun_2p", b), ("elastic_2w_ddp_reduce", e))},
     }
     print(f"| run | steady real tokens/s (median of {args.repeat}) | start-up s |")
     print("|---|---|---|")
@@ -119,6 +179,12 @@ def main() -> None:
           f"a/(2d) = {figures['scaling_2w_vs_ideal']:.3f}, "
           f"e/b = {figures['ratio_elastic_ddp_reduce_vs_torchrun']:.3f}; gradient {grad_bytes / 1e6:.1f} MB, "
           f"gloo all-reduce {b['allreduce_gbps']:.2f} GB/s -> {allreduce_s * 1e3:.1f} ms/step")
+    print("| run | training CPU-s per step | training's share of the machine | the rest's share |")
+    print("|---|---|---|---|")
+    for k, v in figures["cpu"].items():
+        if v:
+            print(f"| {k} | {v['train_cpu_s_per_step']:.3f} | {v['train_share_of_machine']:.1%} | "
+                  f"{v['other_share_of_machine']:.1%} |")
     print(json.dumps(figures))
 
 
