@@ -10,8 +10,8 @@ elastic run (min 1, max 2 workers, the test-sized model, the embedded corpus) an
   notice and just before the deadline)
 
 Then the run is abandoned (it would go on to the end of its epochs) and the script exits. Settings as
-in tests/test_elastic.py: worker-group start timeout 10 s, resize monitor 2 s, periodic checkpoints
-every 20 steps.
+in tests/test_elastic.py: worker-group start timeout 10 s, resize monitor 2 s, the GCS node health
+checks of cluster.yaml (1 s apart); periodic checkpoints every 20 steps.
 
     .venv/bin/python benchmarks/resize.py [--cycles 2] [--deadline 10]
 """
@@ -57,6 +57,9 @@ def main() -> None:
     args = p.parse_args()
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.1"
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(START_TIMEOUT_S)
+    # cluster.yaml's GCS health checks: a killed node is declared dead in ~5 s, not 12-15 s.
+    os.environ["RAY_health_check_period_ms"] = "1000"
+    os.environ["RAY_health_check_timeout_ms"] = "2000"
     import ray
     from ray.cluster_utils import Cluster
     from ray.core.generated import autoscaler_pb2

@@ -18,12 +18,14 @@ import pyarrow.fs as pafs
 import ray
 import ray.data
 import ray.train
+import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastic_train.checkpoint import MANIFEST, model_signature, signature_mismatch
 from elastic_train.config import Config, ConfigError
-from elastic_train.model import MODELS
+from elastic_train.model import MODELS, build_model
 from elastic_train.nodewatch import NodeWatcher
 from elastic_train.prepare import DatasetInfo, default_corpus_dir, inspect_dataset
 from elastic_train.runlog import RunLog, split_uri
@@ -67,10 +69,37 @@ def run_uri(cfg: Config) -> str:
 
 
 def check_inputs(cfg: Config) -> DatasetInfo:
-    """Every check that needs no cluster: model name, dataset, storage."""
+    """Every check that needs no cluster: model name, dataset, storage, the checkpoint to resume."""
     if cfg.model.name not in MODELS:
         raise ConfigError(f"model.name: unknown model {cfg.model.name!r} (known: {sorted(MODELS)})")
-    return resolve_dataset(cfg)
+    info = resolve_dataset(cfg)
+    check_resumable(cfg)
+    return info
+
+
+def check_resumable(cfg: Config) -> None:
+    """If the run folder holds checkpoints, the newest complete one must fit the configured model:
+    refused here, before Ray starts, with the run folder left as it was. (The worker checks the
+    checkpoint Ray hands it again, in case one appears meanwhile.)"""
+    fs, folder, _ = split_uri(run_uri(cfg))
+    if fs.get_file_info(folder).type != pafs.FileType.Directory:
+        return
+    names = sorted((f.base_name for f in fs.get_file_info(pafs.FileSelector(folder))
+                    if f.type == pafs.FileType.Directory and f.base_name.startswith("checkpoint_")),
+                   reverse=True)
+    for name in names:
+        directory = f"{folder}/{name}"
+        if fs.get_file_info(f"{directory}/{MANIFEST}").type != pafs.FileType.File:
+            continue  # incomplete: never loaded
+        with fs.open_input_stream(f"{directory}/state.json") as f:
+            state = json.loads(f.read())
+        with torch.device("meta"):  # shapes only, no memory
+            ours = model_signature(build_model(cfg.model, cfg.data.max_seq_len))
+        mismatch = signature_mismatch(state, ours)
+        if mismatch:
+            raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} {mismatch}; use "
+                              f"another run.name, or the model config it was trained with")
+        return
 
 
 def init_ray(cfg: Config) -> bool:

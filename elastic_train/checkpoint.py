@@ -129,16 +129,21 @@ def read_state(directory: str | Path) -> dict[str, Any]:
 
 def check_compatible(directory: str | Path, state: dict[str, Any], model: torch.nn.Module) -> None:
     """Refuse a checkpoint written for a different model, naming the first mismatch."""
+    mismatch = signature_mismatch(state, model_signature(model))
+    if mismatch:
+        raise CheckpointError(f"checkpoint {directory} {mismatch}")
+
+
+def signature_mismatch(state: dict[str, Any], ours: dict[str, list[int]]) -> str | None:
+    """Why a checkpoint's state.json does not fit a model of signature `ours`; None if it fits."""
     theirs = state["model_signature"]
-    ours = model_signature(model)
     for name in sorted(set(theirs) | set(ours)):
         if theirs.get(name) != ours.get(name):
             saved = state.get("config", {}).get("model", {})
-            raise CheckpointError(
-                f"checkpoint {directory} does not fit the configured model: parameter '{name}' "
-                f"has shape {theirs.get(name)} in the checkpoint and {ours.get(name)} in the model "
-                f"(checkpoint's model config: {saved})"
-            )
+            return (f"does not fit the configured model: parameter '{name}' has shape "
+                    f"{theirs.get(name)} in the checkpoint and {ours.get(name)} in the model "
+                    f"(checkpoint's model config: {saved})")
+    return None
 
 
 def load_checkpoint(

@@ -40,7 +40,9 @@ class ScalingConfig:
     cpus_per_worker: float = 1.0  # CPUs each worker reserves
     resources_per_worker: dict[str, float] = field(default_factory=dict)  # extra Ray resources
     health_check_interval_s: float = 0.2  # controller poll; ray.train.report waits for it
-    worker_group_start_timeout_s: float = 60.0  # give up starting a group of this size after
+    # give up reserving a group of this size after this long and decide again (not a failure); after
+    # a node loss the first restart may ask for the old size and wait this long: keep it short
+    worker_group_start_timeout_s: float = 15.0
     resize_monitor_interval_s: float = 5.0  # how often an elastic run looks for room to grow
     preemption_poll_interval_s: float = 1.0  # how often Ray looks for nodes being drained (spot notices)
     torch_threads: int = 1  # intra-op threads per CPU worker

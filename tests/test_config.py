@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from elastic_train.config import ConfigError, load_config, num_partitions
@@ -97,3 +98,31 @@ def test_cli_empty_and_columnless_datasets(tmp_path):
     pq.write_table(pa.table({"text": ["a"]}), wrong / "p.parquet")
     proc = _cli("train", f"data.path={wrong}", f"run.storage_path={tmp_path}")
     assert proc.returncode != 0 and "tokens" in proc.stderr and proc.stderr.startswith("error: ")
+
+
+def test_cli_refuses_a_run_whose_checkpoint_is_of_another_model(tmp_path, small_dataset):
+    """The newest complete checkpoint is checked on the driver, before Ray starts; an incomplete
+    newer one (no manifest) is skipped, as Ray never registered it; nothing is written."""
+    from dataclasses import asdict
+
+    from elastic_train.checkpoint import snapshot, write_checkpoint
+    from elastic_train.config import ModelConfig
+    from elastic_train.loop import TrainState
+    from elastic_train.model import build_model
+
+    model = build_model(ModelConfig(n_layer=1, d_model=32, n_head=2), 128)
+    optimizer = torch.optim.AdamW(model.parameters())
+    snap = snapshot(model, optimizer, None, asdict(TrainState(step=4)), {}, world_size=2)
+    run = tmp_path / "old"
+    write_checkpoint(snap, run / "checkpoint_000000004")
+    (run / "checkpoint_000000008").mkdir()  # a crash mid-write: no manifest
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    proc = _cli("train", f"run.storage_path={tmp_path}", "run.name=old", f"data.path={small_dataset}",
+                "model.n_layer=1", "model.d_model=64", "model.n_head=2", "data.max_seq_len=128",
+                "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: run old: its latest checkpoint checkpoint_000000004 does not "
+                               "fit the configured model: parameter 'blocks.0.attn.proj.weight' "
+                               "has shape [32, 32] in the checkpoint and [64, 64]"), lines[0]
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before

@@ -43,9 +43,13 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    # Nodes are subprocesses: they (and the controller) inherit these.
+    # Nodes are subprocesses: they (and the controller) inherit these. The GCS health checks are
+    # those of cluster.yaml: a killed node is declared dead in ~5 s, before the first restart's
+    # start timeout, so a shrink takes one timed-out try, not one or two depending on a race.
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.1"
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "10"
+    os.environ["RAY_health_check_period_ms"] = "1000"
+    os.environ["RAY_health_check_timeout_ms"] = "2000"
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     ray.init(address=c.address, log_to_driver=False)
     try:
@@ -53,6 +57,8 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
+        for name in ("RAY_health_check_period_ms", "RAY_health_check_timeout_ms"):
+            os.environ.pop(name, None)
 
 
 def slot_nodes(cluster) -> list:

@@ -12,6 +12,7 @@ from test_report import LEDGER_PARTS, check_png
 
 from elastic_train import load_config
 from elastic_train.api import TrainingFailed, train
+from elastic_train.config import ConfigError
 from elastic_train.report import make_report
 
 pytestmark = pytest.mark.ray
@@ -144,13 +145,12 @@ def test_same_run_name_continues_and_refuses_another_model(ray_cluster, small_da
     new_attempt = [r for r in recs if r["attempt"] == 1]
     assert new_attempt and new_attempt[0]["step"] == 7  # from the step-6 checkpoint, not step 1
     assert second.summary["steps"] == 10
-    saved = (tmp_path / "again" / "checkpoint_000000010" / "model.pt").read_bytes()
-    with pytest.raises(TrainingFailed, match="does not fit the configured model"):
-        run(tmp_path, small_dataset, "again", "train.max_steps=14", "model.d_model=64",
-            "scaling.max_failures=0")
-    summary = json.loads((tmp_path / "again" / "summary.json").read_text())
-    assert summary["status"] == "failed" and "does not fit" in summary["reason"]
-    assert (tmp_path / "again" / "checkpoint_000000010" / "model.pt").read_bytes() == saved  # kept
+    # Another model on the same run: refused before any worker starts, the run folder untouched.
+    before = {p: p.read_bytes() for p in (tmp_path / "again").rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="checkpoint_000000010 does not fit the configured model"):
+        run(tmp_path, small_dataset, "again", "train.max_steps=14", "model.d_model=64")
+    after = {p: p.read_bytes() for p in (tmp_path / "again").rglob("*") if p.is_file()}
+    assert after == before
 
 
 def test_crash_while_writing_checkpoint_loads_the_previous_one(reference, small_dataset, tmp_path):
