@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.checkpoint import load_checkpoint, snapshot
 from elastic_train.config import Config, num_partitions
 from elastic_train.data import MicroBatch, Prefetcher, iter_rank_steps
-from elastic_train.model import build_model, model_flops_per_token, token_loss_sum
-from elastic_train.optim import build_optimizer, lr_at, set_lr
+from elastic_train.model import build_model, count_parameters, model_flops_per_token, token_loss_sum
+from elastic_train.optim import build_optimizer, lr_at, optimizer_state_bytes, set_lr
 from elastic_train.plan import owned_partitions
 
 
@@ -45,10 +45,14 @@ class NonFiniteError(RuntimeError):
     """Gradients stayed non-finite after a rollback: the run stops and names the batch."""
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum a few numbers over all ranks in one collective (identity without a process group)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _distributed():
         dist.all_reduce(t)
     return t.tolist()
 
@@ -102,10 +106,6 @@ class ExactGradSum:
         if _distributed():
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(t.data, src=0)
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def micro_batch_seed(seed: int, step: int, partition: int) -> int:
@@ -227,6 +227,7 @@ def train_loop(cfg: Config, env) -> None:
     partitions = owned_partitions(rank, world_size, num_partitions(cfg))
     flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len)
     process = psutil.Process()
+    state_logged = False  # optimizer-state bytes per parameter, logged once per attempt
     env.log_event({"event": "start", "attempt": attempt, "world_size": world_size,
                    "resumed_step": state.step, "rank": rank})
 
@@ -280,6 +281,10 @@ def train_loop(cfg: Config, env) -> None:
                         env.handle_nonfinite(state.step + 1, micro_batches)
                 else:
                     state.consecutive_skips = 0
+                    if rank == 0 and not state_logged:  # the state exists after the first step
+                        state_logged = True
+                        env.log_event({"event": "optimizer_state", "bytes_per_param":
+                                       optimizer_state_bytes(optimizer) / count_parameters(raw_model)})
                 state.step += 1
                 state.step_in_epoch += 1
                 state.real_tokens += int(real)

@@ -100,6 +100,9 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
         "world_sizes": [a["world_size"] for a in attempts],
         "skipped_steps": last.get("skipped_steps", 0),
         "replayed_steps": len(records) - len(effective),
+        "optimizer_state_bytes_per_param": next(
+            (e["bytes_per_param"] for e in reversed(events) if e.get("event") == "optimizer_state"),
+            None),
         "ledger": ledger(records, events, start_time, end_time),
     }
     summary["goodput"] = summary["ledger"]["goodput"]

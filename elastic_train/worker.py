@@ -58,8 +58,11 @@ class RayWorkerEnv:
         self.last_saved_step = -1
         self._nonfinite_pending: list[int] = []
         self.fatal: str | None = None  # set when the run must stop (see handle_nonfinite)
+        self._request_ref = None  # checkpoint_requested: the RunLog call in flight
         self._last_poll: float | None = None  # preemption_notice: when it last ran ...
         self._step_intervals: deque[float] = deque(maxlen=8)  # ... and the times between
+        self._preemption_seen = None  # the drain notice already acted on ...
+        self._late_saved = False  # ... and whether its last checkpoint before the deadline was
 
     # -- model, data, checkpoints --------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module:
@@ -124,7 +127,7 @@ class RayWorkerEnv:
         if notice:
             self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": notice})
             return True
-        ref = getattr(self, "_request_ref", None)
+        ref = self._request_ref
         if ref is None:
             self._request_ref = self.runlog.take_checkpoint_request.remote()
             return False
@@ -164,7 +167,7 @@ class RayWorkerEnv:
         if info is None:
             return None
         nodes = ", ".join(n[:12] for n in info.preempted_node_ids)
-        if info != getattr(self, "_preemption_seen", None):
+        if info != self._preemption_seen:
             self._preemption_seen, self._late_saved = info, False
             return f"node(s) {nodes} draining (ranks {info.preempted_ranks}, deadline_ms {info.deadline_ms})"
         if info.deadline_ms and not self._late_saved:

@@ -95,6 +95,9 @@ def test_bf16_with_adamw8bit_trains_and_resumes_exactly(ray_cluster, small_datas
     s = result.summary
     assert s["status"] == "finished" and s["restarts"] == 1 and s["steps"] == 12
     assert s["skipped_steps"] == 0 and s["final_loss"] < 0.8 * s["first_loss"]
+    # bnb keeps 32-bit state for tensors under 4096 elements: most of this tiny model (d_model 32).
+    # AdamW's 8.0 is asserted in test_train_ray.py; the default model's 2.05 in benchmarks/checkpoint.py.
+    assert 2.0 < s["optimizer_state_bytes_per_param"] < 4.0, s["optimizer_state_bytes_per_param"]
     records = read_jsonl(Path(result.run_dir) / "metrics.jsonl")
     first = {r["step"]: r["loss"] for r in records if r["attempt"] == 0}
     again = {r["step"]: r["loss"] for r in records if r["attempt"] == 1}

@@ -86,6 +86,7 @@ def test_two_worker_run_trains_every_id_once_per_epoch(reference, small_dataset)
     assert s["status"] == "finished" and s["restarts"] == 0 and s["world_sizes"] == [2]
     assert s["final_loss"] < 0.8 * s["first_loss"]
     assert s["padding_efficiency"] > 0.9
+    assert 7.99 < s["optimizer_state_bytes_per_param"] < 8.01  # AdamW: two fp32 moments
     run_dir = Path(reference.run_dir)
     assert (run_dir / "config.yaml").is_file() and (run_dir / "summary.json").is_file()
     rec = metrics(reference)[0]
