@@ -22,9 +22,10 @@ import torch.distributed as dist
 from elastic_train.api import resolve_dataset
 from elastic_train.config import load_config, num_partitions
 from elastic_train.data import iter_parquet_batches, iter_rank_steps
-from elastic_train.loop import all_reduce_sum, forward_backward, optimizer_step
+from elastic_train.loop import StepSetup, all_reduce_sum, train_step
+from elastic_train.losses import LossModule
 from elastic_train.model import build_model
-from elastic_train.optim import build_optimizer, lr_at, set_lr
+from elastic_train.optim import build_optimizer, lr_at
 from elastic_train.plan import owned_partitions
 
 
@@ -57,8 +58,9 @@ def main() -> None:
     cfg = load_config(None, args.overrides)
     files = resolve_dataset(cfg).files
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, cfg.data.max_seq_len)
-    optimizer = build_optimizer(model, cfg.optim, False)
+    raw = build_model(cfg.model, cfg.data.max_seq_len)
+    optimizer = build_optimizer(raw, cfg.optim, False)
+    model = LossModule(raw)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     k = num_partitions(cfg)
@@ -68,6 +70,7 @@ def main() -> None:
         seed=cfg.data.seed, epoch=0, bucketing=cfg.data.bucketing,
     )
     device = torch.device("cpu")
+    setup = StepSetup(device=device, world_size=world, grad_clip=cfg.train.grad_clip)
     times, tokens = [], []
     for step in range(args.steps):
         mbs = next(steps)
@@ -76,13 +79,11 @@ def main() -> None:
              sum(m.padded_tokens for m in mbs)], device)
         if n == 0:
             break
-        set_lr(optimizer, lr_at(step, cfg.optim, cfg.train.max_steps))
-        optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(model, mbs, global_targets=targets, world_size=world, device=device)
-        optimizer_step(model, optimizer, None, cfg.train.grad_clip, loss, device)
+        train_step(model, raw, optimizer, mbs, setup=setup, data_targets=targets, step=step,
+                   lr=lr_at(step, cfg.optim, cfg.train.max_steps))
         times.append(time.time())
         tokens.append(int(real))
-    numel = sum(p.numel() for p in model.parameters())
+    numel = sum(p.numel() for p in raw.parameters())
     bandwidth = allreduce_bandwidth_gbps(numel)
     if rank == 0:
         print(json.dumps({"start_time": t_start, "times": times, "real_tokens": tokens,

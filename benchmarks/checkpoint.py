@@ -35,7 +35,8 @@ import torch
 from elastic_train.checkpoint import snapshot, write_checkpoint
 from elastic_train.config import Config, ModelConfig, OptimConfig
 from elastic_train.data import MicroBatch, iter_parquet_batches, iter_rank_steps
-from elastic_train.loop import TrainState, forward_backward, optimizer_step
+from elastic_train.loop import StepSetup, TrainState, train_step
+from elastic_train.losses import LossModule
 from elastic_train.model import build_model, count_parameters
 from elastic_train.optim import build_optimizer, optimizer_state_bytes
 from elastic_train.prepare import default_corpus_dir, inspect_dataset
@@ -60,15 +61,12 @@ def global_steps(n: int) -> list[list[MicroBatch]]:
     return [next(stream) for _ in range(n)]
 
 
-def train_step(model, optimizer, micro_batches: list[MicroBatch]) -> tuple[float, float]:
-    """One step as the loop does it: (forward_backward s, optimizer_step s)."""
-    optimizer.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
-    targets = float(sum(mb.targets for mb in micro_batches))
-    loss = forward_backward(model, micro_batches, global_targets=targets, world_size=1, device=CPU)
-    t1 = time.perf_counter()
-    optimizer_step(model, optimizer, None, 1.0, loss, CPU)
-    return t1 - t0, time.perf_counter() - t1
+def one_step(model, optimizer, micro_batches: list[MicroBatch]) -> tuple[float, float]:
+    """One step, the loop's own `train_step`: (forward_backward s, optimizer_step s)."""
+    result = train_step(LossModule(model), model, optimizer, micro_batches,
+                        setup=StepSetup(device=CPU, world_size=1), step=0, lr=1e-3,
+                        data_targets=float(sum(mb.targets for mb in micro_batches)))
+    return result.forward_backward_s, result.optimizer_s
 
 
 def state_breakdown(optimizer) -> dict[str, int]:
@@ -106,8 +104,8 @@ def bench_default(optim: str, steps: list[list[MicroBatch]], args) -> dict:
     torch.manual_seed(0)
     model = build_model(MODELS["default"], MAX_SEQ_LEN)
     optimizer = build_optimizer(model, OptimConfig(name=optim), use_gpu=False)
-    train_step(model, optimizer, steps[0])  # warm-up; creates the optimizer state
-    times = [train_step(model, optimizer, mbs) for mbs in steps[1:]]
+    one_step(model, optimizer, steps[0])  # warm-up; creates the optimizer state
+    times = [one_step(model, optimizer, mbs) for mbs in steps[1:]]
     step_s = statistics.median(fb + opt for fb, opt in times)
     r = time_checkpoint(model, optimizer, args.snapshot_repeats, args.write_repeats)
     r.update(step_s=step_s, optimizer_s=statistics.median(opt for _, opt in times),
@@ -125,7 +123,7 @@ def bench_big(optim: str, micro_batch: MicroBatch, args) -> dict:
     torch.manual_seed(0)
     model = build_model(MODELS["d512_l4"], MAX_SEQ_LEN)
     optimizer = build_optimizer(model, OptimConfig(name=optim), use_gpu=False)
-    fb_s, opt_s = train_step(model, optimizer, [micro_batch])
+    fb_s, opt_s = one_step(model, optimizer, [micro_batch])
     step_est_s = NUM_PARTITIONS * fb_s + opt_s
     r = time_checkpoint(model, optimizer, max(args.snapshot_repeats // 4, 3), args.write_repeats)
     r.update(step_estimate_s=step_est_s, optimizer_s=opt_s,

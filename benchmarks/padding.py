@@ -24,7 +24,8 @@ import torch
 
 from elastic_train.config import ModelConfig
 from elastic_train.data import MicroBatch, iter_parquet_batches, iter_rank_steps
-from elastic_train.loop import forward_backward
+from elastic_train.loop import StepSetup, forward_backward
+from elastic_train.losses import LossModule
 from elastic_train.model import build_model
 from elastic_train.plan import owned_partitions
 from elastic_train.prepare import default_corpus_dir, inspect_dataset
@@ -78,7 +79,8 @@ def time_step(model: torch.nn.Module, step: list[MicroBatch]) -> tuple[float, fl
     model.zero_grad(set_to_none=True)
     targets = float(sum(mb.targets for mb in step))
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    forward_backward(model, step, global_targets=targets, world_size=1, device=torch.device("cpu"))
+    forward_backward(LossModule(model), step, setup=StepSetup(device=torch.device("cpu"), world_size=1),
+                     global_targets=targets)
     return time.perf_counter() - wall0, time.process_time() - cpu0
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import ray
 import ray.data
 import ray.train
@@ -25,7 +28,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic_train.checkpoint import MANIFEST, model_signature, signature_mismatch
 from elastic_train.config import Config, ConfigError
-from elastic_train.model import MODELS, build_model
+from elastic_train.losses import LossFn
+from elastic_train.model import BYTE_VOCAB, ModelFn, build_model, input_embedding_rows
 from elastic_train.nodewatch import NodeWatcher
 from elastic_train.prepare import DatasetInfo, default_corpus_dir, inspect_dataset
 from elastic_train.runlog import RunLog, split_uri
@@ -68,19 +72,62 @@ def run_uri(cfg: Config) -> str:
     return storage.rstrip("/") + "/" + cfg.run.name
 
 
-def check_inputs(cfg: Config) -> DatasetInfo:
-    """Every check that needs no cluster: model name, dataset, storage, the checkpoint to resume."""
-    if cfg.model.name not in MODELS:
-        raise ConfigError(f"model.name: unknown model {cfg.model.name!r} (known: {sorted(MODELS)})")
+def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
+    """Every check that needs no cluster: the dataset, the model (built once on the meta device:
+    shapes only), their fit, storage, the checkpoint to resume. Fills in what the config leaves
+    to the data set (`model.vocab_size`, `data.pad_id`), so the resolved config says it."""
     info = resolve_dataset(cfg)
-    check_resumable(cfg)
+    if cfg.data.pad_id is None:
+        cfg.data.pad_id = info.pad_id if getattr(info, "pad_id", None) is not None else 0
+    if cfg.model.vocab_size is None and cfg.model.name != "hf":
+        cfg.model.vocab_size = getattr(info, "vocab_size", None) or BYTE_VOCAB
+    model = build_meta_model(cfg, model_fn)
+    check_model_fits_data(cfg, info, model)
+    check_resumable(cfg, model_signature(model))
     return info
 
 
-def check_resumable(cfg: Config) -> None:
-    """If the run folder holds checkpoints, the newest complete one must fit the configured model:
-    refused here, before Ray starts, with the run folder left as it was. (The worker checks the
-    checkpoint Ray hands it again, in case one appears meanwhile.)"""
+def build_meta_model(cfg: Config, model_fn: ModelFn | None = None) -> torch.nn.Module:
+    """The model on the meta device (no memory), or a ConfigError naming what failed."""
+    try:
+        with torch.device("meta"):
+            return build_model(cfg.model, cfg.data.max_seq_len, model_fn)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_model_fits_data(cfg: Config, info: DatasetInfo, model: torch.nn.Module) -> None:
+    """The model embeds every token id of the data, the pad id, and positions up to
+    data.max_seq_len (where the model says how many it has)."""
+    rows = input_embedding_rows(model)
+    largest = max(getattr(info, "max_token_id", None) or 0, cfg.data.pad_id or 0)
+    if rows is not None and largest >= rows:
+        raise ConfigError(
+            f"model: its embedding has {rows} rows but data set {info.path} uses token id {largest}; "
+            f"set model.vocab_size (or the model's own vocabulary) to at least {largest + 1}")
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if positions is not None and cfg.data.max_seq_len > positions:
+        raise ConfigError(f"data.max_seq_len ({cfg.data.max_seq_len}) is longer than the model's "
+                          f"max_position_embeddings ({positions})")
+
+
+def extra_columns(info: DatasetInfo) -> tuple[str, ...]:
+    """Numeric columns of the data set beyond id/tokens/length (e.g. `label`): they reach the
+    loss in the batch. `source` and `offset` (written by prepare) are left out."""
+    with info.filesystem.open_input_file(info.files[0]) as f:
+        schema = pq.read_schema(f)
+    def numeric(t) -> bool:
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            t = t.value_type
+        return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+    skip = {"id", "tokens", "length", "source", "offset"}
+    return tuple(f.name for f in schema if f.name not in skip and numeric(f.type))
+
+
+def check_resumable(cfg: Config, ours: dict[str, list[int]]) -> None:
+    """If the run folder holds checkpoints, the newest complete one must fit the configured model
+    (signature `ours`): refused here, before Ray starts, with the run folder left as it was. (The
+    worker checks the checkpoint Ray hands it again, in case one appears meanwhile.)"""
     fs, folder, _ = split_uri(run_uri(cfg))
     if fs.get_file_info(folder).type != pafs.FileType.Directory:
         return
@@ -93,8 +140,6 @@ def check_resumable(cfg: Config) -> None:
             continue  # incomplete: never loaded
         with fs.open_input_stream(f"{directory}/state.json") as f:
             state = json.loads(f.read())
-        with torch.device("meta"):  # shapes only, no memory
-            ours = model_signature(build_model(cfg.model, cfg.data.max_seq_len))
         mismatch = signature_mismatch(state, ours)
         if mismatch:
             raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} {mismatch}; use "
@@ -119,11 +164,22 @@ def init_ray(cfg: Config) -> bool:
     workers_cpus = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
     # Ray Data's read tasks need CPUs beyond the workers' or they wait forever.
     num_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(workers_cpus) + 2)
-    ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1")
+    ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1",
+             runtime_env={"env_vars": {"PYTHONPATH": driver_pythonpath()}})
     return True
 
 
-def build_trainer(cfg: Config, info: DatasetInfo, runlog) -> TorchTrainer:
+def driver_pythonpath() -> str:
+    """The driver's import path for a local cluster's workers: its working folder, PYTHONPATH and
+    script folder, so that a model named by import path imports on the workers as it does here
+    (under `ray job submit`, the job's working directory does this)."""
+    entries = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    entries += [p for p in sys.path[:1] if p]  # the driver script's folder
+    return os.pathsep.join(dict.fromkeys(os.path.abspath(p) for p in entries if p))
+
+
+def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | None = None,
+                  loss_fn: LossFn | None = None) -> TorchTrainer:
     s = cfg.scaling
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
@@ -146,7 +202,9 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog) -> TorchTrainer:
     return TorchTrainer(
         train_loop_per_worker=train_worker,
         train_loop_config={"config": cfg.to_dict(), "runlog": runlog,
-                           "files": [_uri(info, f) for f in info.files]},
+                           "files": [_uri(info, f) for f in info.files],
+                           "extra_columns": extra_columns(info), "model_fn": model_fn,
+                           "loss_fn": loss_fn},
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
             elastic_resize_monitor_interval_s=s.resize_monitor_interval_s,
@@ -191,20 +249,25 @@ def save_config(cfg: Config, runlog) -> None:
     ray.get(runlog.write_file.remote("config.yaml", text))
 
 
-def train(cfg: Config, progress=None) -> TrainResult:
+def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None = None,
+          progress=None) -> TrainResult:
     """Train (or resume) the run described by `cfg`; returns its summary and last checkpoint.
 
-    Inputs are checked before any worker starts (ConfigError). A run that fails on the cluster
-    still writes summary.json with status "failed" and the reason, then raises TrainingFailed.
+    `model_fn(vocab_size=, max_seq_len=, **model.kwargs) -> nn.Module` replaces `model.name`, and
+    `loss_fn(model, batch) -> (loss_sum, num_targets)` the default next-token cross entropy
+    (see `losses.py`); both are shipped to the workers by Ray (cloudpickle), so a driver script
+    may define them inline. Inputs are checked before any worker starts (ConfigError). A run that
+    fails on the cluster still writes summary.json with status "failed" and the reason, then
+    raises TrainingFailed.
     """
-    info = check_inputs(cfg)
+    info = check_inputs(cfg, model_fn)
     started_here = init_ray(cfg)
     start = time.time()
     runlog = start_runlog(cfg)
     try:
         save_config(cfg, runlog)
         ray.get(runlog.log_event.remote({"event": "fit_start"}))
-        trainer = build_trainer(cfg, info, runlog)
+        trainer = build_trainer(cfg, info, runlog, model_fn, loss_fn)
         error, checkpoint_path = None, None
         if progress is not None:
             progress.start(runlog)

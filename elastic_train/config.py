@@ -59,14 +59,21 @@ class DataConfig:
     global_batch_tokens: int = 16384  # padded-token budget of one optimizer step, any world size
     shuffle_window: int = 1024  # rows shuffled, sorted by length and bucketed together
     prefetch_steps: int = 2  # steps assembled ahead of the loop by a background thread
+    pad_id: int | None = None  # token that pads rows; None: the data set's tokenizer pad id, else 0
     reader: str = "pyarrow"  # pyarrow: each worker streams the shards itself; ray_data: Ray Data
 
 
 @dataclass
 class ModelConfig:
-    name: str = "gpt"  # key of elastic_train.model.MODELS
-    vocab_size: int = 256  # byte-level
-    n_layer: int = 2
+    # gpt: the embedded byte-level GPT | hf: a transformers causal LM from `path` |
+    # "package.module:function": called with vocab_size, max_seq_len and `kwargs`, returns an nn.Module
+    name: str = "gpt"
+    path: str | None = None  # hf: folder (or pyarrow.fs URI) with config.json, weights optional
+    kwargs: dict[str, Any] = field(default_factory=dict)  # import path: extra keyword arguments
+    vocab_size: int | None = None  # None: the data set's tokenizer size (256 for bytes)
+    gradient_checkpointing: bool = False  # recompute activations in backward (non-reentrant)
+    trust_remote_code: bool = False  # hf: run the model's own code from `path`
+    n_layer: int = 2  # gpt only, like the three below
     n_head: int = 4
     d_model: int = 128
     dropout: float = 0.0
@@ -143,6 +150,8 @@ class Config:
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check (and widen int -> float) a YAML value against a field's annotation."""
+    if tp is Any:
+        return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -322,14 +331,26 @@ def validate(cfg: Config) -> None:
     _require(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
-    _require(
-        cfg.model.d_model % cfg.model.n_head == 0,
-        f"model.d_model ({cfg.model.d_model}) is not divisible by model.n_head ({cfg.model.n_head})",
-    )
+    _validate_model(cfg.model)
     _require(
         cfg.log.progress in ("auto", "bar", "lines", "none"),
         f"log.progress must be auto, bar, lines or none, got {cfg.log.progress!r}",
     )
+
+
+def _validate_model(m: ModelConfig) -> None:
+    name_ok = m.name in ("gpt", "hf") or (":" in m.name and all(m.name.split(":", 1)))
+    _require(name_ok, f"model.name must be gpt, hf or an import path 'package.module:function', "
+                      f"got {m.name!r}")
+    _require(m.name != "hf" or bool(m.path), "model.path: model.name=hf needs the folder (or URI) "
+                                             "of a transformers model with a config.json")
+    _require(m.vocab_size is None or m.vocab_size >= 1, f"model.vocab_size must be >= 1, got {m.vocab_size}")
+    if m.name == "gpt":
+        _require(m.n_layer >= 1, f"model.n_layer must be >= 1, got {m.n_layer}")
+        _require(m.n_head >= 1, f"model.n_head must be >= 1, got {m.n_head}")
+        _require(m.d_model % m.n_head == 0,
+                 f"model.d_model ({m.d_model}) is not divisible by model.n_head ({m.n_head})")
+        _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
 
 
 def num_partitions(cfg: Config) -> int:

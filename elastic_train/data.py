@@ -13,13 +13,16 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+import torch
 
+from elastic_train.losses import make_batch
 from elastic_train.plan import StepAssembler, partition_of
 
 ROW_BATCH_SIZE = 1024  # rows per batch read from the source; any value gives the same steps
@@ -27,12 +30,14 @@ ROW_BATCH_SIZE = 1024  # rows per batch read from the source; any value gives th
 
 @dataclass
 class MicroBatch:
-    """One padded micro-batch: `tokens` is int64 [rows, longest], right-padded with 0."""
+    """One padded micro-batch: `tokens` is int64 [rows, longest], right-padded with `pad_id`;
+    `extras` holds the data set's other columns (a scalar per row, or lists padded with 0)."""
 
     partition: int
     ids: np.ndarray
     tokens: np.ndarray
     lengths: np.ndarray
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def real_tokens(self) -> int:
@@ -47,15 +52,36 @@ class MicroBatch:
         """Next-token targets: every real token but the first of each row."""
         return int(np.maximum(self.lengths - 1, 0).sum())
 
+    def to_batch(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The tensors a model and loss see (see `losses.py`): tokens, attention_mask,
+        position_ids, labels (IGNORE_INDEX on padding), lengths, and the extra columns."""
+        batch = make_batch(torch.from_numpy(self.tokens).to(device, non_blocking=True),
+                           torch.from_numpy(self.lengths).to(device, non_blocking=True))
+        for name, values in self.extras.items():
+            batch[name] = torch.from_numpy(values).to(device, non_blocking=True)
+        return batch
 
-def pad_rows(rows: list[tuple[int, np.ndarray]], partition: int) -> MicroBatch:
-    """Stack (id, tokens) rows into a right-padded int64 matrix."""
-    lengths = np.fromiter((len(t) for _, t in rows), dtype=np.int64, count=len(rows))
-    tokens = np.zeros((len(rows), max(int(lengths.max()), 1)), dtype=np.int64)
-    for i, (_, toks) in enumerate(rows):
-        tokens[i, : len(toks)] = toks
-    ids = np.fromiter((i for i, _ in rows), dtype=np.int64, count=len(rows))
-    return MicroBatch(partition, ids, tokens, lengths)
+
+def _stack_extra(values: list[Any]) -> np.ndarray:
+    """A column's values for the rows of a micro-batch: stacked scalars, or lists padded with 0."""
+    if values and isinstance(values[0], np.ndarray):
+        out = np.zeros((len(values), max(max(len(v) for v in values), 1)), dtype=values[0].dtype)
+        for i, v in enumerate(values):
+            out[i, : len(v)] = v
+        return out
+    return np.asarray(values)
+
+
+def pad_rows(rows: list[tuple], partition: int, pad_id: int = 0,
+             extra_columns: tuple[str, ...] = ()) -> MicroBatch:
+    """Stack (id, tokens, extras) rows into a right-padded int64 matrix."""
+    lengths = np.fromiter((len(r[1]) for r in rows), dtype=np.int64, count=len(rows))
+    tokens = np.full((len(rows), max(int(lengths.max()), 1)), pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row[1])] = row[1]
+    ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+    extras = {name: _stack_extra([r[2][j] for r in rows]) for j, name in enumerate(extra_columns)}
+    return MicroBatch(partition, ids, tokens, lengths, extras)
 
 
 def iter_rank_steps(
@@ -69,6 +95,8 @@ def iter_rank_steps(
     epoch: int,
     bucketing: bool = True,
     start_step: int = 0,
+    pad_id: int = 0,
+    extra_columns: tuple[str, ...] = (),
 ) -> Iterator[list[MicroBatch]]:
     """This rank's micro-batches for each step of one epoch, from `start_step` on.
 
@@ -91,52 +119,64 @@ def iter_rank_steps(
         ids = np.asarray(batch["id"], dtype=np.int64)
         part = partition_of(ids, num_partitions)
         tokens, lengths = batch["tokens"], batch["length"]
+        extras = [batch[name] for name in extra_columns]
         for i in np.flatnonzero(owned[part]):
-            assembler.add(int(part[i]), (int(ids[i]), tokens[i]), int(lengths[i]))
+            row = (int(ids[i]), tokens[i], tuple(column[i] for column in extras))
+            assembler.add(int(part[i]), row, int(lengths[i]))
         for step in assembler.pop_steps():
-            yield [pad_rows(mb.rows, mb.partition) for mb in step]
+            yield [pad_rows(mb.rows, mb.partition, pad_id, extra_columns) for mb in step]
     assembler.finish()
     for step in assembler.pop_steps():
-        yield [pad_rows(mb.rows, mb.partition) for mb in step]
+        yield [pad_rows(mb.rows, mb.partition, pad_id, extra_columns) for mb in step]
     while True:
         yield []
 
 
-def arrow_to_columns(rb) -> dict[str, Any]:
-    """A pyarrow RecordBatch/Table -> {"id", "length": numpy arrays, "tokens": list of views}.
+def _list_views(column) -> list[np.ndarray]:
+    if hasattr(column, "combine_chunks"):
+        column = column.combine_chunks()
+    values = column.values.to_numpy(zero_copy_only=False)
+    offsets = column.offsets.to_numpy()
+    return [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def arrow_to_columns(rb, extra_columns: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A pyarrow RecordBatch/Table -> {"id", "length": numpy arrays, "tokens": list of views},
+    plus each extra column (numpy array, or a list of views for a list column).
 
     Much faster than Ray Data's numpy format, which builds one object per row."""
-    tokens = rb.column("tokens")
-    if hasattr(tokens, "combine_chunks"):
-        tokens = tokens.combine_chunks()
-    values = tokens.values.to_numpy(zero_copy_only=False)
-    offsets = tokens.offsets.to_numpy()
-    return {
-        "id": rb.column("id").to_numpy(),
-        "length": rb.column("length").to_numpy(),
-        "tokens": [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)],
-    }
+    out = {"id": rb.column("id").to_numpy(), "length": rb.column("length").to_numpy(),
+           "tokens": _list_views(rb.column("tokens"))}
+    for name in extra_columns:
+        column = rb.column(name)
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            out[name] = _list_views(column)
+        else:
+            out[name] = column.to_numpy(zero_copy_only=False)
+    return out
 
 
-def iter_parquet_batches(files: list[str]) -> Iterator[dict[str, Any]]:
+def iter_parquet_batches(files: list[str], extra_columns: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
     """Rows of Parquet shards (local paths or pyarrow.fs URIs) in order, streamed with pyarrow:
     memory holds one record batch at a time, whatever the dataset's size."""
+    columns = ["id", "tokens", "length", *extra_columns]
     for path in files:
         if "://" in path:
             fs, fs_path = pafs.FileSystem.from_uri(path)
             pf = pq.ParquetFile(fs.open_input_file(fs_path))
         else:
             pf = pq.ParquetFile(path)
-        for rb in pf.iter_batches(batch_size=ROW_BATCH_SIZE, columns=["id", "tokens", "length"]):
-            yield arrow_to_columns(rb)
+        for rb in pf.iter_batches(batch_size=ROW_BATCH_SIZE, columns=columns):
+            yield arrow_to_columns(rb, extra_columns)
 
 
-def iter_ray_batches(data_iterator, prefetch_batches: int = 2) -> Iterator[dict[str, Any]]:
+def iter_ray_batches(data_iterator, extra_columns: tuple[str, ...] = (),
+                     prefetch_batches: int = 2) -> Iterator[dict[str, Any]]:
     """Rows of a Ray Data shard (a `DataIterator`), in the dataset's preserved order."""
     for table in data_iterator.iter_batches(
         batch_size=ROW_BATCH_SIZE, batch_format="pyarrow", prefetch_batches=prefetch_batches
     ):
-        yield arrow_to_columns(table)
+        yield arrow_to_columns(table, extra_columns)
 
 
 _DONE = object()

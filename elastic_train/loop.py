@@ -1,17 +1,20 @@
 """The per-worker training loop: build, restore, then for each step forward/backward, step, log.
 
-It reads top to bottom like nanoGPT. Everything Ray-specific (checkpoints, data shard, logging actor)
-sits behind `WorkerEnv` (see `worker.py`), so the step itself (`train_step`) is plain torch and
-torch.distributed and runs in a 2-process gloo test without Ray.
+It reads top to bottom like nanoGPT: `train_loop` -> `train_step` -> `forward_backward`. Everything
+Ray-specific (checkpoints, data shard, logging actor) sits behind the `WorkerEnv` protocol (see
+`worker.py`), so a step is plain torch and torch.distributed and runs in a 2-process gloo test
+without Ray. The loop does not know which model it trains, nor its loss: both come in as a
+`losses.LossModule` that maps a batch to (loss sum, targets).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import psutil
@@ -22,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic_train.checkpoint import load_checkpoint, snapshot
 from elastic_train.config import Config, num_partitions
 from elastic_train.data import MicroBatch, Prefetcher, iter_rank_steps
-from elastic_train.model import build_model, count_parameters, model_flops_per_token, token_loss_sum
+from elastic_train.losses import LossFn, LossModule
+from elastic_train.model import ModelFn, build_model, count_parameters, model_flops_per_token
 from elastic_train.optim import build_optimizer, lr_at, optimizer_state_bytes, set_lr
 from elastic_train.plan import owned_partitions
 
@@ -114,54 +118,86 @@ def micro_batch_seed(seed: int, step: int, partition: int) -> int:
     return int(np.random.SeedSequence([seed, step, partition]).generate_state(1, np.uint64)[0] >> 1)
 
 
+def dry_rank_batch(template: MicroBatch | None, pad_id: int) -> MicroBatch:
+    """A one-row micro-batch for a rank whose partitions ran dry (its loss is multiplied by 0):
+    the first row of a real micro-batch when this process has seen one, so that a user's loss
+    finds its extra columns; else two pad tokens."""
+    if template is not None:
+        extras = {k: v[:1] for k, v in template.extras.items()}
+        return MicroBatch(template.partition, template.ids[:1], template.tokens[:1],
+                          template.lengths[:1], extras)
+    tokens = np.full((1, 2), pad_id, dtype=np.int64)
+    return MicroBatch(-1, np.zeros(1, np.int64), tokens, np.full(1, 2, np.int64))
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """What stays the same from step to step of one attempt: how a step is computed and reduced."""
+
+    device: torch.device
+    world_size: int
+    precision: str = "fp32"
+    grad_clip: float = 1.0
+    seed: int | None = None  # seeds each micro-batch's random ops by (seed, step, partition)
+    scaler: Any = None
+    exact: ExactGradSum | None = None
+    count_targets: bool = False  # the loss counts its own targets (a user's loss_fn)
+    pad_id: int = 0
+
+
 def forward_backward(
     model: torch.nn.Module,
     micro_batches: list[MicroBatch],
     *,
+    setup: StepSetup,
     global_targets: float,
-    world_size: int,
-    device: torch.device,
-    precision: str = "fp32",
-    scaler: Any = None,
-    exact: ExactGradSum | None = None,
-    step_seed: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """Accumulate this rank's share of one global step's gradient; return its summed loss.
+    step: int = 0,
+    dry_template: MicroBatch | None = None,
+) -> tuple[torch.Tensor, float]:
+    """Accumulate this rank's share of one global step's gradient: (its loss sum, its targets).
 
-    The result in `.grad` is the gradient of (total loss / total real targets) over the global
-    batch, the same as one process computes on the whole batch. With `exact`, each micro-batch's
-    loss sum is scaled by 1 / global_targets and the gradients summed by `ExactGradSum`. Without
-    it (a DDP model), by world_size / global_targets, since DDP averages over ranks, and DDP syncs
-    only on the last backward. `step_seed` = (seed, step) seeds each micro-batch's random ops.
+    `model` maps a batch to (loss sum, targets) (`losses.LossModule`, maybe in DDP). The result in
+    `.grad` is the gradient of (total loss / `global_targets`) over the global batch, the same as
+    one process computes on the whole batch. With `setup.exact`, each micro-batch's loss sum is
+    scaled by 1 / global_targets and the gradients summed by `ExactGradSum`. Without it (DDP), by
+    world_size / global_targets, since DDP averages over ranks, and DDP syncs only on the last
+    backward.
     """
     ddp = isinstance(model, DistributedDataParallel)
-    scale = (1.0 if exact is not None else world_size) / max(global_targets, 1.0)
+    exact, scaler, device = setup.exact, setup.scaler, setup.device
+    scale = (1.0 if exact is not None else setup.world_size) / max(global_targets, 1.0)
     backward = (lambda x: scaler.scale(x).backward()) if scaler is not None else torch.Tensor.backward
     total = torch.zeros((), dtype=torch.float64, device=device)
+    targets = 0.0
     if not micro_batches and exact is None:
         # This rank's partitions ran dry in the epoch's last steps: join DDP's all-reduce with a
-        # zero gradient (a real forward, so that DDP's reducer is prepared as usual).
-        dummy = torch.zeros((1, 2), dtype=torch.long, device=device)
-        with autocast_context(precision, device):
-            loss_sum, _ = token_loss_sum(model, dummy, torch.full((1,), 2, device=device))
+        # zero gradient, through the user's model and loss (DDP's reducer is prepared as usual).
+        with autocast_context(setup.precision, device):
+            loss_sum, _ = model(dry_rank_batch(dry_template, setup.pad_id).to_batch(device))
         backward(loss_sum * 0.0)
-        return total
+        return total, targets
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        if step_seed is not None:
-            torch.manual_seed(micro_batch_seed(*step_seed, mb.partition))
+        if setup.seed is not None:
+            torch.manual_seed(micro_batch_seed(setup.seed, step, mb.partition))
         with nullcontext() if (last or not ddp) else model.no_sync():
-            tokens = torch.from_numpy(mb.tokens).to(device, non_blocking=True)
-            lengths = torch.from_numpy(mb.lengths).to(device, non_blocking=True)
-            with autocast_context(precision, device):
-                loss_sum, _ = token_loss_sum(model, tokens, lengths)
+            with autocast_context(setup.precision, device):
+                loss_sum, n_targets = model(mb.to_batch(device))
             backward(loss_sum * scale)
         if exact is not None:
             exact.add_grads()
         total += loss_sum.detach().double()
+        targets += float(n_targets)
     if exact is not None:
         exact.finish()  # an empty rank joins the all-reduce with zeros
-    return total
+    return total, targets
+
+
+def rescale_grads(model: torch.nn.Module, factor: float) -> None:
+    """Multiply every gradient by `factor` (a loss counted other targets than the data's)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
 
 
 def optimizer_step(
@@ -196,85 +232,176 @@ def optimizer_step(
     return loss_sum, float(norm), False
 
 
-def _step_record(cfg: Config, state: TrainState, **fields: Any) -> dict[str, Any]:
-    record = {"step": state.step, "epoch": state.epoch, "time": time.time()}
-    record.update(fields)
-    record.update(skipped_steps=state.skipped_steps)
-    return record
+@dataclass
+class StepResult:
+    loss: float  # per target, over the global batch
+    grad_norm: float
+    skipped: bool
+    forward_backward_s: float
+    optimizer_s: float
 
 
-def train_loop(cfg: Config, env) -> None:
-    """Run (or resume) training on this worker until max_steps or the last epoch."""
+def train_step(
+    model: torch.nn.Module,
+    raw_model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[MicroBatch],
+    *,
+    setup: StepSetup,
+    data_targets: float,
+    step: int,
+    lr: float,
+    dry_template: MicroBatch | None = None,
+    poison: Any = None,
+) -> StepResult:
+    """One optimizer step over this rank's micro-batches of global step `step`.
+
+    `data_targets` is the global count of next-token targets in the data (known before the
+    forward): the gradient is scaled by it as it accumulates, then, if the loss counted its own
+    targets (`setup.count_targets`), corrected by data_targets / the loss's global count, so that
+    the result is d(total loss / total targets) for any loss written as a sum.
+    """
+    set_lr(optimizer, lr)
+    optimizer.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    local_loss, local_targets = forward_backward(
+        model, micro_batches, setup=setup, global_targets=data_targets, step=step,
+        dry_template=dry_template)
+    targets = data_targets
+    if setup.count_targets:
+        (targets,) = all_reduce_sum([local_targets], setup.device)
+        if targets != data_targets:
+            rescale_grads(raw_model, data_targets / max(targets, 1.0))
+    if poison is not None:
+        poison(raw_model)
+    t1 = time.perf_counter()
+    loss_sum, grad_norm, skipped = optimizer_step(
+        raw_model, optimizer, setup.scaler, setup.grad_clip, local_loss, setup.device)
+    return StepResult(loss_sum / max(targets, 1.0), grad_norm, skipped, t1 - t0,
+                      time.perf_counter() - t1)
+
+
+class WorkerEnv(Protocol):
+    """What `train_loop` uses of the outside world (Ray Train: `worker.RayWorkerEnv`; a plain
+    gloo test can pass its own)."""
+
+    device: torch.device
+    world_rank: int
+    world_size: int
+    last_saved_step: int
+
+    def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module: ...
+    def epoch_rows(self, epoch: int) -> Iterable[dict[str, Any]]: ...
+    def latest_checkpoint_dir(self) -> str | None: ...
+    def save_checkpoint(self, snap: dict | None, step: int, final: bool) -> None: ...
+    def checkpoint_requested(self) -> bool: ...
+    def checkpoint_committed(self, step: int) -> None: ...
+    def begin_attempt(self) -> int: ...
+    def log_step(self, record: dict[str, Any]) -> None: ...
+    def log_event(self, record: dict[str, Any]) -> None: ...
+    def log_consumed(self, attempt: int, state: TrainState, micro_batches: list[MicroBatch]) -> None: ...
+    def maybe_crash(self, step: int) -> None: ...
+    def maybe_poison_gradient(self, model: torch.nn.Module, step: int) -> None: ...
+    def handle_nonfinite(self, step: int, micro_batches: list[MicroBatch]) -> None: ...
+
+
+@dataclass
+class Training:
+    """Everything one attempt trains with, built and restored by `build_training`."""
+
+    model: torch.nn.Module  # LossModule(raw_model, loss), on the device, maybe in DDP or compiled
+    raw_model: torch.nn.Module  # the user's module: what checkpoints and the optimizer hold
+    optimizer: torch.optim.Optimizer
+    setup: StepSetup
+    state: TrainState
+
+
+def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
+                   loss_fn: LossFn | None = None) -> Training:
+    """Build the model, move it to the device, then build the optimizer and restore the latest
+    checkpoint. The order matters on a GPU: `Optimizer.load_state_dict` puts the state on the
+    device of the parameters it finds, so it must find them on the GPU already."""
     torch.manual_seed(cfg.train.seed)
-    device, rank, world_size = env.device, env.world_rank, env.world_size
-    model = build_model(cfg.model, cfg.data.max_seq_len)
-    raw_model = model
-    optimizer = build_optimizer(model, cfg.optim, cfg.scaling.use_gpu)
+    raw_model = build_model(cfg.model, cfg.data.max_seq_len, model_fn)
+    exact = cfg.train.grad_reduce == "exact"
+    model = env.prepare_model(LossModule(raw_model, loss_fn), ddp=not exact)
+    optimizer = build_optimizer(raw_model, cfg.optim, cfg.scaling.use_gpu)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16) if cfg.train.precision == "fp16" else None
     state = TrainState()
     ckpt_dir = env.latest_checkpoint_dir()
     if ckpt_dir is not None:
         state = TrainState(**load_checkpoint(ckpt_dir, raw_model, optimizer, scaler))
-    exact = cfg.train.grad_reduce == "exact"
-    model = env.prepare_model(model, ddp=not exact)
+        check_state_device(optimizer, env.device)
     reducer = None
     if exact:
         ExactGradSum.broadcast_parameters(raw_model)
-        reducer = ExactGradSum(raw_model, device)
+        reducer = ExactGradSum(raw_model, env.device)
     if cfg.train.compile:
         model = torch.compile(model)
+    setup = StepSetup(
+        device=env.device, world_size=env.world_size, precision=cfg.train.precision,
+        grad_clip=cfg.train.grad_clip, seed=cfg.train.seed, scaler=scaler, exact=reducer,
+        count_targets=loss_fn is not None, pad_id=cfg.data.pad_id or 0)
+    return Training(model, raw_model, optimizer, setup, state)
+
+
+def check_state_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Every optimizer state tensor lies on the training device after a restore (on a GPU, state
+    left on the CPU would make every step copy it, or fail)."""
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device.type != device.type:
+                raise RuntimeError(f"optimizer state restored on {value.device}, parameters on {device}")
+
+
+def _epoch_stream(cfg: Config, env: WorkerEnv, state: TrainState, partitions: list[int]) -> Prefetcher:
+    return Prefetcher(
+        iter_rank_steps(
+            env.epoch_rows(state.epoch), partitions=partitions, num_partitions=num_partitions(cfg),
+            micro_batch_tokens=cfg.data.micro_batch_tokens, shuffle_window=cfg.data.shuffle_window,
+            seed=cfg.data.seed, epoch=state.epoch, bucketing=cfg.data.bucketing,
+            start_step=state.step_in_epoch, pad_id=cfg.data.pad_id or 0,
+        ),
+        cfg.data.prefetch_steps,
+    )
+
+
+def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
+               loss_fn: LossFn | None = None) -> None:
+    """Run (or resume) training on this worker until max_steps or the last epoch."""
+    t = build_training(cfg, env, model_fn, loss_fn)
+    state, rank, world_size = t.state, env.world_rank, env.world_size
     attempt = env.begin_attempt()
     partitions = owned_partitions(rank, world_size, num_partitions(cfg))
-    flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len)
+    flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len,
+                                            count_parameters(t.raw_model))
     process = psutil.Process()
     state_logged = False  # optimizer-state bytes per parameter, logged once per attempt
+    template = None  # a real micro-batch, for the dry-rank step (see dry_rank_batch)
     env.log_event({"event": "start", "attempt": attempt, "world_size": world_size,
                    "resumed_step": state.step, "rank": rank})
-
     while state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
-        stream = Prefetcher(
-            iter_rank_steps(
-                env.epoch_rows(state.epoch),
-                partitions=partitions,
-                num_partitions=num_partitions(cfg),
-                micro_batch_tokens=cfg.data.micro_batch_tokens,
-                shuffle_window=cfg.data.shuffle_window,
-                seed=cfg.data.seed,
-                epoch=state.epoch,
-                bucketing=cfg.data.bucketing,
-                start_step=state.step_in_epoch,
-            ),
-            cfg.data.prefetch_steps,
-        )
+        stream = _epoch_stream(cfg, env, state, partitions)
         try:
             while state.step < cfg.train.max_steps:
                 t0 = time.perf_counter()
                 micro_batches, wait_s = stream.next()
+                template = micro_batches[0] if micro_batches else template
                 n_mb, targets, real, padded, requested = all_reduce_sum(
                     [len(micro_batches), sum(mb.targets for mb in micro_batches),
                      sum(mb.real_tokens for mb in micro_batches),
                      sum(mb.padded_tokens for mb in micro_batches), env.checkpoint_requested()],
-                    device,
+                    env.device,
                 )
                 if n_mb == 0:  # every rank's partitions are exhausted: the epoch is over
                     state.epoch, state.step_in_epoch = state.epoch + 1, 0
                     break
                 lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
-                set_lr(optimizer, lr)
-                optimizer.zero_grad(set_to_none=True)
-                t1 = time.perf_counter()
-                local_loss = forward_backward(
-                    model, micro_batches, global_targets=targets, world_size=world_size,
-                    device=device, precision=cfg.train.precision, scaler=scaler,
-                    exact=reducer, step_seed=(cfg.train.seed, state.step),
-                )
-                env.maybe_poison_gradient(raw_model, state.step + 1)
-                t2 = time.perf_counter()
-                loss_sum, grad_norm, skipped = optimizer_step(
-                    model, optimizer, scaler, cfg.train.grad_clip, local_loss, device
-                )
-                t3 = time.perf_counter()
-                if skipped:
+                result = train_step(
+                    t.model, t.raw_model, t.optimizer, micro_batches, setup=t.setup,
+                    data_targets=targets, step=state.step, lr=lr, dry_template=template,
+                    poison=lambda m: env.maybe_poison_gradient(m, state.step + 1))
+                if result.skipped:
                     state.skipped_steps += 1
                     state.consecutive_skips += 1
                     if state.consecutive_skips >= cfg.train.max_consecutive_skips:
@@ -284,7 +411,7 @@ def train_loop(cfg: Config, env) -> None:
                     if rank == 0 and not state_logged:  # the state exists after the first step
                         state_logged = True
                         env.log_event({"event": "optimizer_state", "bytes_per_param":
-                                       optimizer_state_bytes(optimizer) / count_parameters(raw_model)})
+                                       optimizer_state_bytes(t.optimizer) / count_parameters(t.raw_model)})
                 state.step += 1
                 state.step_in_epoch += 1
                 state.real_tokens += int(real)
@@ -293,27 +420,32 @@ def train_loop(cfg: Config, env) -> None:
                 step_time_s = time.perf_counter() - t0
                 if rank == 0:
                     env.log_step(_step_record(
-                        cfg, state, attempt=attempt, world_size=world_size,
-                        loss=loss_sum / max(targets, 1.0), lr=lr, grad_norm=grad_norm,
-                        real_tokens=int(real), padded_tokens=int(padded),
+                        state, attempt=attempt, world_size=world_size, loss=result.loss, lr=lr,
+                        grad_norm=result.grad_norm, real_tokens=int(real), padded_tokens=int(padded),
                         step_time_s=step_time_s, data_wait_s=wait_s,
-                        forward_backward_s=t2 - t1, optimizer_s=t3 - t2,
+                        forward_backward_s=result.forward_backward_s, optimizer_s=result.optimizer_s,
                         tokens_per_s=real / step_time_s,
-                        mfu=flops_per_token * real / step_time_s
-                        / (cfg.log.peak_flops * world_size),
-                        rss_bytes=process.memory_info().rss, skipped=skipped,
-                        micro_batches=int(n_mb), **_cuda_memory(device),
+                        mfu=flops_per_token * real / step_time_s / (cfg.log.peak_flops * world_size),
+                        rss_bytes=process.memory_info().rss, skipped=result.skipped,
+                        micro_batches=int(n_mb), **_cuda_memory(env.device),
                     ))
                 env.maybe_crash(state.step)
                 periodic = cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0
                 if periodic or requested:
                     # requested: the driver expects a resize; commit it before going on (SYNC)
-                    save(env, cfg, raw_model, optimizer, scaler, state, final=False, sync=bool(requested))
+                    save(env, cfg, t, final=False, sync=bool(requested))
                     if requested:
                         env.checkpoint_committed(state.step)
         finally:
             stream.close()
-    save(env, cfg, raw_model, optimizer, scaler, state, final=True)
+    save(env, cfg, t, final=True)
+
+
+def _step_record(state: TrainState, **fields: Any) -> dict[str, Any]:
+    record = {"step": state.step, "epoch": state.epoch, "time": time.time()}
+    record.update(fields)
+    record.update(skipped_steps=state.skipped_steps)
+    return record
 
 
 def _cuda_memory(device: torch.device) -> dict[str, int]:
@@ -323,15 +455,16 @@ def _cuda_memory(device: torch.device) -> dict[str, int]:
             "cuda_reserved_bytes": torch.cuda.memory_reserved(device)}
 
 
-def save(env, cfg: Config, model, optimizer, scaler, state: TrainState, final: bool,
-         sync: bool = False) -> float:
+def save(env: WorkerEnv, cfg: Config, t: Training, final: bool, sync: bool = False) -> float:
     """Snapshot on rank 0 (the blocking part) and hand it to Ray to write in the background."""
+    state = t.state
     if state.step == env.last_saved_step:  # e.g. the final save right after a periodic one
         return 0.0
     t0 = time.perf_counter()
     snap = None
     if env.world_rank == 0:
-        snap = snapshot(model, optimizer, scaler, asdict(state), cfg.to_dict(), env.world_size)
+        snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),
+                        env.world_size)
     env.save_checkpoint(snap, state.step, final=final or sync)
     blocked_s = time.perf_counter() - t0
     if env.world_rank == 0:

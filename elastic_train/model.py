@@ -1,22 +1,30 @@
-"""A small decoder-only GPT over bytes, the model registry and the token loss.
+"""The models: the embedded byte-level GPT, a Hugging Face causal LM, or a user's `nn.Module`.
 
-`build_model(model_cfg, max_seq_len)` looks `model_cfg.name` up in `MODELS`. Initialisation draws
-from the global torch RNG, so callers fix it with `torch.manual_seed` before building: every rank
-then builds the same weights without a broadcast.
+`build_model(model_cfg, max_seq_len, model_fn)` is the one way the driver and the workers build a
+model: `model_fn` (Python API) if given, else `model_cfg.name`: `gpt`, `hf` (see `hf.py`) or an
+import path "package.module:function" called with `vocab_size`, `max_seq_len` and `model_cfg.kwargs`.
+Initialisation draws from the global torch RNG, so callers fix it with `torch.manual_seed` before
+building: every rank then builds the same weights without a broadcast. Nothing here knows the loss;
+that is `losses.py`.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from elastic_train.config import ModelConfig
 
-IGNORE_INDEX = -100
+BYTE_VOCAB = 256  # the vocabulary of byte-tokenized data (prepare without --tokenizer)
+ModelFn = Callable[..., nn.Module]
+
 
 
 class CausalSelfAttention(nn.Module):
@@ -61,15 +69,16 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token + learned position embeddings, pre-LN blocks, final LN, head tied to the embedding."""
 
-    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, vocab_size: int = BYTE_VOCAB) -> None:
         super().__init__()
         self.max_seq_len = max_seq_len
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.gradient_checkpointing = False
+        self.wte = nn.Embedding(vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(max_seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
         self._init_weights(cfg.n_layer)
 
@@ -93,49 +102,107 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=tokens.device)
         x = self.drop(self.wte(tokens) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            if self.gradient_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)  # non-reentrant: works under DDP
+            else:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each block's activations in backward instead of keeping them."""
+        self.gradient_checkpointing = True
 
 
 def build_gpt(model_cfg: ModelConfig, max_seq_len: int) -> nn.Module:
     """The byte-level GPT of `model_cfg`, with positions up to `max_seq_len`."""
-    return GPT(model_cfg, max_seq_len)
+    return GPT(model_cfg, max_seq_len, model_cfg.vocab_size or BYTE_VOCAB)
 
 
-MODELS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {"gpt": build_gpt}
+def _build_hf(model_cfg: ModelConfig, max_seq_len: int) -> nn.Module:
+    from elastic_train.hf import build_hf_model  # imports transformers: only when asked for
+
+    return build_hf_model(model_cfg)
 
 
-def build_model(model_cfg: ModelConfig, max_seq_len: int) -> nn.Module:
-    """Build the model registered under `model_cfg.name`; ValueError naming it when unknown."""
-    builder = MODELS.get(model_cfg.name)
-    if builder is None:
-        raise ValueError(
-            f"model.name: unknown model {model_cfg.name!r} (known: {', '.join(sorted(MODELS))})"
-        )
-    return builder(model_cfg, max_seq_len)
+MODELS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {"gpt": build_gpt, "hf": _build_hf}
+
+
+def import_factory(path: str) -> ModelFn:
+    """The function named by "package.module:function"; ValueError naming what did not import."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module's
+        raise ValueError(f"model.name: cannot import module '{module_name}' of {path!r}: "
+                         f"{type(exc).__name__}: {exc} (is its folder on PYTHONPATH?)") from None
+    factory: Any = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ValueError(f"model.name: module '{module_name}' has no attribute '{attr}'")
+    if not callable(factory):
+        raise ValueError(f"model.name: {path!r} is not callable")
+    return factory
+
+
+def call_factory(factory: ModelFn, model_cfg: ModelConfig, max_seq_len: int, shown: str) -> nn.Module:
+    """`factory(vocab_size=, max_seq_len=, **kwargs)`, checked to return an nn.Module."""
+    kwargs = {"vocab_size": model_cfg.vocab_size or BYTE_VOCAB, "max_seq_len": max_seq_len,
+              **model_cfg.kwargs}
+    try:
+        model = factory(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - reported with the factory's name
+        raise ValueError(f"model: {shown}({', '.join(kwargs)}) raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: {shown} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def build_model(model_cfg: ModelConfig, max_seq_len: int, model_fn: ModelFn | None = None) -> nn.Module:
+    """The model to train: `model_fn` if given, else the one `model_cfg.name` names.
+
+    ValueError (one message naming the culprit) for an unknown name, an import path that does
+    not import, a factory that raises or returns something that is not a module.
+    """
+    if model_fn is not None:
+        shown = getattr(model_fn, "__qualname__", repr(model_fn))
+        model = call_factory(model_fn, model_cfg, max_seq_len, f"model_fn {shown}")
+    elif model_cfg.name in MODELS:
+        model = MODELS[model_cfg.name](model_cfg, max_seq_len)
+    elif ":" in model_cfg.name:
+        model = call_factory(import_factory(model_cfg.name), model_cfg, max_seq_len, model_cfg.name)
+    else:
+        raise ValueError(f"model.name: unknown model {model_cfg.name!r} (known: "
+                         f"{', '.join(sorted(MODELS))}, or an import path 'package.module:function')")
+    if model_cfg.gradient_checkpointing:
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise ValueError(f"model.gradient_checkpointing: {type(model).__name__} has no "
+                             "gradient_checkpointing_enable()")
+        if model_cfg.name == "hf":
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            enable()
+    return model
+
+
+def input_embedding_rows(model: nn.Module) -> int | None:
+    """How many token ids the model embeds: its input embedding's rows (None if it has none)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if not isinstance(embedding, nn.Embedding):
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return None if embedding is None else embedding.num_embeddings
 
 
 def token_loss_sum(
     model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor
 ) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy of right-padded rows, and the number of real targets.
+    """Summed next-token cross-entropy of right-padded rows, and the number of real targets
+    (`losses.causal_lm_loss` on the batch of `tokens` and `lengths`)."""
+    from elastic_train.losses import causal_lm_loss, make_batch
 
-    Row i holds `lengths[i]` real tokens, then padding. Target j (token j + 1) is real when
-    j < lengths[i] - 1. Summing (not averaging) lets the caller divide by the global target count,
-    so every real token weighs the same whatever the micro-batch or world size.
-    """
-    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
-    positions = torch.arange(targets.shape[1], device=tokens.device)
-    targets[positions[None, :] >= (lengths.to(tokens.device)[:, None] - 1)] = IGNORE_INDEX
-    logits = model(inputs).float()
-    loss_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    n_targets = int((lengths - 1).clamp(min=0).sum())
-    return loss_sum, n_targets
+    return causal_lm_loss(model, make_batch(tokens, lengths.to(tokens.device)))
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -143,13 +210,16 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def model_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM appendix B: 6 N + 12 L d T.
+def model_flops_per_token(model_cfg: ModelConfig, seq_len: int, num_parameters: int | None = None) -> float:
+    """Training FLOPs per token: PaLM appendix B, 6 N + 12 L d T, for the embedded GPT; 6 N from
+    the parameter count for any other model (the attention term left out: a lower bound).
 
     N counts the weights used in matmuls: 12 d^2 per layer plus the (tied) vocab x d head; the
     position table, layer norms and biases do no matmul and are left out. 12 L d T is the attention
     score and value matmuls over a context of `seq_len`, forward and backward.
     """
+    if model_cfg.name != "gpt":
+        return 6.0 * float(num_parameters or 0)
     n_layer, d = model_cfg.n_layer, model_cfg.d_model
-    n_matmul = 12 * n_layer * d * d + model_cfg.vocab_size * d
+    n_matmul = 12 * n_layer * d * d + (model_cfg.vocab_size or BYTE_VOCAB) * d
     return 6.0 * n_matmul + 12.0 * n_layer * d * seq_len

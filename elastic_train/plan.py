@@ -161,19 +161,3 @@ class StepAssembler:
             steps.append([s.ready.popleft() for s in self.states.values() if s.ready])
             self.next_step += 1
         return steps
-
-    def exhausted(self) -> bool:
-        return all(s.finished and not s.ready for s in self.states.values())
-
-
-def accumulation_steps(world_rank: int, world_size: int, num_partitions: int) -> int:
-    """Micro-batches one rank trains per full global step."""
-    return len(owned_partitions(world_rank, world_size, num_partitions))
-
-
-def padding_stats(lengths: np.ndarray) -> tuple[int, int]:
-    """(real tokens, padded tokens) of one micro-batch padded to its longest row."""
-    lengths = np.asarray(lengths)
-    if len(lengths) == 0:
-        return 0, 0
-    return int(lengths.sum()), int(len(lengths) * lengths.max())

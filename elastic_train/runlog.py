@@ -22,8 +22,6 @@ import ray
 
 from elastic_train.tb import TensorBoardWriter
 
-RUN_FILES = ("metrics.jsonl", "attempts.json", "events.jsonl", "faults.json", "summary.json")
-
 
 def split_uri(path: str) -> tuple[pafs.FileSystem, str, bool]:
     """(filesystem, path in it, is_local) for a local folder or a pyarrow.fs URI."""

@@ -10,7 +10,8 @@ import torch.multiprocessing as mp
 
 from elastic_train.config import ModelConfig
 from elastic_train.data import pad_rows
-from elastic_train.loop import ExactGradSum, forward_backward
+from elastic_train.loop import ExactGradSum, StepSetup, forward_backward
+from elastic_train.losses import LossModule
 from elastic_train.model import build_model, token_loss_sum
 
 
@@ -29,17 +30,18 @@ def worker(rank, world, path):
     torch.cuda.set_device(dev)
     torch.manual_seed(0)
     model = build_model(ModelConfig(), 256).to(dev)
-    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+    model = torch.nn.parallel.DistributedDataParallel(LossModule(model), device_ids=[rank])
     mbs = batch()
     mine = [m for m in mbs if m.partition % world == rank]
-    forward_backward(model, mine, global_targets=sum(m.targets for m in mbs), world_size=world, device=dev)
-    grads = {"ddp": {n: p.grad.cpu() for n, p in model.module.named_parameters()}}
+    forward_backward(model, mine, setup=StepSetup(device=dev, world_size=world),
+                     global_targets=sum(m.targets for m in mbs))
+    grads = {"ddp": {n: p.grad.cpu() for n, p in model.module.model.named_parameters()}}
     # train.grad_reduce=exact: no DDP, float64 sums all-reduced over NCCL
     torch.manual_seed(0)
     plain = build_model(ModelConfig(), 256).to(dev)
     ExactGradSum.broadcast_parameters(plain)
-    forward_backward(plain, mine, global_targets=sum(m.targets for m in mbs), world_size=world,
-                     device=dev, exact=ExactGradSum(plain, dev), step_seed=(0, 0))
+    setup = StepSetup(device=dev, world_size=world, exact=ExactGradSum(plain, dev), seed=0)
+    forward_backward(LossModule(plain), mine, setup=setup, global_targets=sum(m.targets for m in mbs))
     grads["exact"] = {n: p.grad.cpu() for n, p in plain.named_parameters()}
     if rank == 0:
         torch.save(grads, path)

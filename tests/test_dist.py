@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 
 from elastic_train.config import ModelConfig
 from elastic_train.data import pad_rows
-from elastic_train.loop import ExactGradSum, forward_backward
+from elastic_train.loop import ExactGradSum, StepSetup, forward_backward
+from elastic_train.losses import LossModule
 from elastic_train.model import build_model, token_loss_sum
 
 pytestmark = pytest.mark.dist
@@ -38,16 +39,16 @@ def build():
 def _worker(rank: int, world_size: int, init_file: str, out: str, rank1_empty: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    model = torch.nn.parallel.DistributedDataParallel(build())
+    model = torch.nn.parallel.DistributedDataParallel(LossModule(build()))
     mbs = global_batch(4)
     if rank1_empty:  # the end of an epoch: rank 1's partitions are dry
         mine = mbs if rank == 0 else []
     else:
         mine = [mb for mb in mbs if mb.partition % world_size == rank]
     targets = sum(mb.targets for mb in mbs)
-    forward_backward(model, mine, global_targets=targets, world_size=world_size,
-                     device=torch.device("cpu"))
-    grads = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    forward_backward(model, mine, setup=StepSetup(device=torch.device("cpu"), world_size=world_size),
+                     global_targets=targets)
+    grads = {n: p.grad.clone() for n, p in model.module.model.named_parameters()}
     torch.save(grads, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -85,8 +86,8 @@ def exact_grads(micro_batches, targets: float) -> dict[str, torch.Tensor]:
     model = build_model(DROPOUT_MODEL, 64)
     ExactGradSum.broadcast_parameters(model)
     reducer = ExactGradSum(model, torch.device("cpu"))
-    forward_backward(model, micro_batches, global_targets=targets, world_size=1,
-                     device=torch.device("cpu"), exact=reducer, step_seed=(3, 17))
+    setup = StepSetup(device=torch.device("cpu"), world_size=1, exact=reducer, seed=3)
+    forward_backward(LossModule(model), micro_batches, setup=setup, global_targets=targets, step=17)
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

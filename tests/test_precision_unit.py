@@ -34,9 +34,10 @@ import torch.multiprocessing as mp
 from elastic_train.checkpoint import load_checkpoint, snapshot, write_checkpoint
 from elastic_train.config import ModelConfig, OptimConfig
 from elastic_train.data import MicroBatch, pad_rows
-from elastic_train.loop import TrainState, autocast_context, forward_backward, optimizer_step
+from elastic_train.loop import StepSetup, TrainState, autocast_context, train_step
+from elastic_train.losses import LossModule
 from elastic_train.model import build_model
-from elastic_train.optim import build_optimizer, lr_at, set_lr
+from elastic_train.optim import build_optimizer, lr_at
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
@@ -72,19 +73,24 @@ def _build(optim: str, seed: int = 0):
     return model, build_optimizer(model, OPTIM[optim], use_gpu=False)
 
 
+def _poison(value: float | None):
+    if value is None:
+        return None
+
+    def poison(model):
+        next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = value
+    return poison
+
+
 def _step(model, optimizer, step: int, precision: str = "fp32", scaler=None,
           poison: float | None = None) -> tuple[float, bool]:
-    """One optimizer step as train_loop does it: (mean loss, skipped)."""
+    """One optimizer step, the loop's own `train_step`: (mean loss, skipped)."""
     micro_batches = BATCHES[step]
-    targets = sum(mb.targets for mb in micro_batches)
-    set_lr(optimizer, lr_at(step, optimizer_cfg(optimizer), STEPS))
-    optimizer.zero_grad(set_to_none=True)
-    local = forward_backward(model, micro_batches, global_targets=targets, world_size=1, device=CPU,
-                             precision=precision, scaler=scaler)
-    if poison is not None:
-        next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = poison
-    loss_sum, _, skipped = optimizer_step(model, optimizer, scaler, 1.0, local, CPU)
-    return loss_sum / targets, skipped
+    setup = StepSetup(device=CPU, world_size=1, precision=precision, grad_clip=1.0, scaler=scaler)
+    result = train_step(LossModule(model), model, optimizer, micro_batches, setup=setup,
+                        data_targets=sum(mb.targets for mb in micro_batches), step=step,
+                        lr=lr_at(step, optimizer_cfg(optimizer), STEPS), poison=_poison(poison))
+    return result.loss, result.skipped
 
 
 def optimizer_cfg(optimizer) -> OptimConfig:
@@ -241,19 +247,18 @@ def test_nonfinite_step_backs_off_the_scale_and_restarts_growth_counting() -> No
 def _gloo_worker(rank: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    model, optimizer = _build("adamw")
-    model = torch.nn.parallel.DistributedDataParallel(model)
+    raw, optimizer = _build("adamw")
+    model = torch.nn.parallel.DistributedDataParallel(LossModule(raw))
+    setup = StepSetup(device=CPU, world_size=2)
     results = []
     for step in range(3):
         mine = [mb for mb in BATCHES[step] if mb.partition % 2 == rank]
-        targets = sum(mb.targets for mb in BATCHES[step])
-        optimizer.zero_grad(set_to_none=True)
-        local = forward_backward(model, mine, global_targets=targets, world_size=2, device=CPU)
-        if step == 1 and rank == 1:  # after DDP's all-reduce: only rank 1's copy is bad
-            next(model.module.parameters()).grad.view(-1)[0] = float("nan")
-        loss_sum, _, skipped = optimizer_step(model, optimizer, None, 1.0, local, CPU)
-        results.append((loss_sum / targets, skipped))
-    torch.save({"results": results, "params": _params(model.module)}, f"{out}.{rank}")
+        # after DDP's all-reduce: only rank 1's copy is bad
+        poison = _poison(float("nan")) if step == 1 and rank == 1 else None
+        result = train_step(model, raw, optimizer, mine, setup=setup, step=step, lr=1e-3,
+                            data_targets=sum(mb.targets for mb in BATCHES[step]), poison=poison)
+        results.append((result.loss, result.skipped))
+    torch.save({"results": results, "params": _params(raw)}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 

@@ -1,0 +1,104 @@
+"""Hugging Face `transformers` causal LMs (`model.name: hf`, `model.path: FOLDER_OR_URI`).
+
+The folder holds a `config.json`, with or without weights: with them the model is loaded
+(`from_pretrained`), without it is initialised from the config with the global torch RNG (the
+loop seeds it alike on every rank, so every rank builds the same weights without a broadcast).
+Always fp32 master weights (newer transformers default to the checkpoint's dtype), `use_cache`
+off while training, `trust_remote_code` only when the user sets it. A URI is copied once per node
+into a local cache folder, so the weights are read from storage once per node, not once per rank.
+Nothing is ever downloaded from a hub: everything is `local_files_only`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import torch
+from torch import nn
+
+from elastic_train.config import ModelConfig
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+HF_EXTRA = "pip install 'elastic_train[hf]'"
+
+
+def require_transformers():
+    """The transformers module, or a ValueError saying which extra to install."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"model.name=hf needs transformers: {HF_EXTRA}") from None
+    return transformers
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("ELASTIC_TRAIN_CACHE") or Path.home() / ".cache" / "elastic_train"
+    return Path(root).expanduser() / "models"
+
+
+def local_model_folder(path: str) -> Path:
+    """A local folder holding the model at `path`: itself, or for a URI a per-node copy (made
+    under a file lock by the first process of the node, in a scratch folder renamed into place)."""
+    if "://" not in path:
+        return Path(path).expanduser()
+    fs, root = pafs.FileSystem.from_uri(path)
+    final = _cache_root() / hashlib.sha256(path.encode()).hexdigest()[:16]
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{final}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not final.is_dir():
+            scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=final.parent))
+            for info in fs.get_file_info(pafs.FileSelector(root, recursive=True)):
+                if info.type == pafs.FileType.File:
+                    dest = scratch / os.path.relpath(info.path, root)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    with fs.open_input_stream(info.path) as src, open(dest, "wb") as out:
+                        shutil.copyfileobj(src, out)
+            os.rename(scratch, final)
+    return final
+
+
+def has_weights(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in WEIGHT_FILES)
+
+
+def load_hf_config(model_cfg: ModelConfig):
+    """The model's `PretrainedConfig`, with `use_cache` off; ValueError naming a bad path."""
+    transformers = require_transformers()
+    shown = model_cfg.path
+    if "://" not in str(shown) and not (Path(str(shown)).expanduser() / "config.json").is_file():
+        raise ValueError(f"model.path: '{shown}' holds no config.json (a folder of a transformers "
+                         "model is expected)")
+    folder = local_model_folder(str(shown))
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            folder, trust_remote_code=model_cfg.trust_remote_code, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"model.path: '{shown}': transformers cannot read its config.json: "
+                         f"{exc}") from None
+    config.use_cache = False
+    return config, folder
+
+
+def build_hf_model(model_cfg: ModelConfig) -> nn.Module:
+    """The causal LM of `model_cfg.path`, in fp32; on the meta device (the driver's shape check)
+    built from the config only."""
+    transformers = require_transformers()
+    config, folder = load_hf_config(model_cfg)
+    auto = transformers.AutoModelForCausalLM
+    common = dict(trust_remote_code=model_cfg.trust_remote_code, dtype=torch.float32)
+    on_meta = torch.empty(0).device.type == "meta"
+    if has_weights(folder) and not on_meta:
+        model = auto.from_pretrained(folder, config=config, local_files_only=True, **common)
+    else:
+        model = auto.from_config(config, **common)
+    model.tie_weights()  # tied embeddings stay tied, also after a build on the meta device
+    model.train()
+    return model
