@@ -35,7 +35,8 @@ def _train(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     from elastic_train.prepare import prepare
 
-    stats = prepare(args.inputs, args.output, max_seq_len=args.max_seq_len, seed=args.seed)
+    stats = prepare(args.inputs, args.output, max_seq_len=args.max_seq_len, seed=args.seed,
+                    tokenizer=args.tokenizer, text_field=args.text_field)
     print(json.dumps(stats))
     return 0
 
@@ -53,11 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML config (default: the embedded one)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.set_defaults(func=_train)
-    p = sub.add_parser("prepare", help="text files or folders -> Parquet shards")
-    p.add_argument("inputs", nargs="+")
-    p.add_argument("--output", required=True)
-    p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("prepare", help="text, JSONL or Parquet files, or folders -> Parquet shards")
+    p.add_argument("inputs", nargs="+", help="text, .jsonl or .parquet files, or folders of them")
+    p.add_argument("--output", required=True, help="folder for the shards (must hold none yet)")
+    p.add_argument("--max-seq-len", type=int, default=512, help="longest row, in tokens")
+    p.add_argument("--seed", type=int, default=0, help="seed of the row shuffle")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json, or a folder a transformers tokenizer loads "
+                        "(default: UTF-8 bytes)")
+    p.add_argument("--text-field", default="text",
+                   help="the text field of JSONL records and column of Parquet files")
     p.set_defaults(func=_prepare)
     p = sub.add_parser("report", help="a run's figures as a table, plus loss.png and throughput.png")
     p.add_argument("run_folder")

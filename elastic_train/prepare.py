@@ -1,28 +1,32 @@
-"""Turn text files into Parquet shards of byte tokens, and check such shards.
+"""Turn text into Parquet shards of tokens, and check such shards.
 
 A prepared dataset is a folder of `part-NNNNN.parquet` files with the columns
-`id` (int64, unique, 0..N-1), `tokens` (list<int16>, the UTF-8 bytes of the text),
-`length` (int32), plus `source` (the file a row came from) and `offset` (where in that file
-its bytes start), so that every byte of the input can be traced to exactly one row.
+`id` (int64, unique, 0..N-1), `tokens` (list<int16>, or list<int32> when the tokenizer's ids do
+not fit int16), `length` (int32), plus `source` (the input file a row came from) and `offset`
+(where the row starts in that file's token stream: its documents' tokens in order, each with
+the tokenizer's EOS after it; for bytes without a tokenizer, the byte offset in the file), so
+that every token of the input can be traced to exactly one row. Beside the shards,
+`_prepare.json` records the counts, the tokenizer ({kind, vocab_size, eos_id, pad_id}) and
+`max_token_id`, and `tokenizer/` holds a copy of the tokenizer (absent for bytes).
 
-Documents are cut at natural boundaries: in Python source every def, async def and class, at
-any indentation, starts one (with the decorators and comments directly above it), and one
-longer than `max_seq_len` is cut again at blank lines into groups of paragraphs of up to
-`max_seq_len // 2` tokens; other text is cut into blank-line paragraphs. What is still longer
-than `max_seq_len` is split into chunks of that size. The rows are then shuffled, so that
-neither file order nor position in a file correlates with shard order.
+Inputs are text files, JSONL and Parquet files, or folders of them (see `sources`). Without a
+tokenizer the tokens are UTF-8 bytes (vocabulary 256, no EOS). With one, each document (a
+Python definition or paragraph of a text file, a JSONL or Parquet record) is tokenized and
+the EOS appended, so documents never run together and sampling knows where to stop. Rows
+hold at most `max_seq_len` tokens, and are shuffled, so that neither file order nor position
+in a file correlates with shard order. All token ids are held in memory for that shuffle
+(1 byte a token for bytes, 4 otherwise); Parquet inputs are read in batches.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,13 +36,23 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-TEXT_SUFFIXES = frozenset({".txt", ".py", ".md", ".rst"})
+from elastic_train.sources import (  # noqa: F401  (TEXT_SUFFIXES, split_document_spans: API)
+    TEXT_SUFFIXES,
+    PathLike,
+    collect_input_files,
+    gather_rows,
+    split_document_spans,
+)
+from elastic_train.tokenizer import BYTE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer
+
 REQUIRED_COLUMNS = ("id", "tokens", "length")
 STATS_FILE = "_prepare.json"
+TOKENIZER_DIR = "tokenizer"  # the copy of the tokenizer, beside the shards
 DEFAULT_CORPUS_BYTES = 4_000_000
-# Part of the default corpus's cache folder name: bump it whenever the files chosen or the way
-# they are cut changes, so that a corpus cached by an older version is not reused.
-CORPUS_FORMAT = 2
+# Part of the default corpus's cache folder name: bump it whenever the files chosen, the way
+# they are cut or what `_prepare.json` records changes, so that a corpus cached by an older
+# version is not reused.
+CORPUS_FORMAT = 3
 # Folders of the standard library left out of the default corpus: tests, GUI code, vendored
 # or generated data tables, and third-party packages that happen to live next to it.
 STDLIB_EXCLUDED_DIRS = frozenset({
@@ -46,163 +60,48 @@ STDLIB_EXCLUDED_DIRS = frozenset({
     "turtledemo", "ensurepip", "pydoc_data", "encodings", "lib-dynload", "__pycache__",
     "__phello__", "venv",
 })
-
-# A Python definition line, at any indentation: `def name(`, `async def name(`, `class name`
-# followed by `(`, `[` or `:` (the name check keeps most prose in docstrings out).
-_PY_DEF_LINE = re.compile(
-    rb"[ \t]*(?:(?:async[ \t]+)?def[ \t]+\w+[ \t]*[(\[]|class[ \t]+\w+[ \t]*[(\[:])")
-# A paragraph ends after two or more newlines (blank lines may hold spaces).
-_PARAGRAPH_END = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
-
-PathLike = str | os.PathLike
+_INT16_MAX = int(np.iinfo(np.int16).max)
 
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """What `inspect_dataset` learned about a folder of Parquet shards."""
+    """What `inspect_dataset` learned about a folder of Parquet shards. The tokenizer fields
+    come from `_prepare.json`; they are None for data sets made by other tools."""
 
     path: str  # normalized path inside `filesystem` (absolute for local folders)
     filesystem: pafs.FileSystem  # the pyarrow filesystem that holds `files`
     files: list[str]  # the shards, sorted by name, as paths inside `filesystem`
     rows: int  # total rows over all shards
     max_length: int  # largest value of the `length` column
+    vocab_size: int | None = None  # the tokenizer's vocabulary size (256 for bytes)
+    max_token_id: int | None = None  # the largest token id written
+    eos_id: int | None = None  # end-of-document id appended after each document, if any
+    pad_id: int | None = None  # the tokenizer's padding id, if it has one
+    tokenizer_kind: str | None = None  # "bytes" | "hf"
+    tokenizer_path: str | None = None  # the tokenizer copy folder inside `filesystem`, if any
+    columns: tuple[str, ...] = ()  # the columns every shard has, in the first shard's order
 
 
-def _python_cuts(data: bytes) -> list[int]:
-    """Offsets where Python definitions start: every def, async def and class, at any
-    indentation, together with the decorators and comment lines directly above it."""
-    cuts = [0]
-    preamble: int | None = None  # where the decorators/comments above the next def start
-    decorated = False  # the preamble holds a decorator, so any line may continue it
-    offset = 0
-    for line in data.splitlines(keepends=True):
-        body = line.lstrip(b" \t")
-        if _PY_DEF_LINE.match(line):
-            cuts.append(offset if preamble is None else preamble)
-            preamble, decorated = None, False
-        elif body.startswith(b"@"):
-            preamble = offset if preamble is None else preamble
-            decorated = True
-        elif body.startswith(b"#"):
-            preamble = offset if preamble is None else preamble
-        elif not decorated:
-            preamble = None  # code or a blank line: what was above is not attached
-        offset += len(line)
-    return cuts
-
-
-def _paragraph_cuts(data: bytes, start: int = 0, end: int | None = None) -> list[int]:
-    """Offsets where the paragraphs of `data[start:end]` start; the blank lines stay with the
-    paragraph before."""
-    end = len(data) if end is None else end
-    found = (match.end() for match in _PARAGRAPH_END.finditer(data, start, end))
-    return [start] + [cut for cut in found if cut < end]
-
-
-def _grouped_paragraph_cuts(data: bytes, start: int, end: int, limit: int) -> list[int]:
-    """Cuts of `data[start:end]` at paragraph starts, grouping consecutive paragraphs while
-    a group stays within `limit` bytes (a longer paragraph is a group of its own)."""
-    starts = _paragraph_cuts(data, start, end)
-    cuts = [start]
-    for cut, next_cut in zip(starts[1:], [*starts, end][2:], strict=True):
-        if next_cut - cuts[-1] > limit:
-            cuts.append(cut)
-    return cuts
-
-
-def _document_cuts(data: bytes, *, python: bool, max_seq_len: int) -> list[int]:
-    """Offsets where documents start: Python definitions, long ones cut again into groups
-    of paragraphs of up to half `max_seq_len`; blank-line paragraphs for other text."""
-    if not python:
-        return _paragraph_cuts(data)
-    defs = _python_cuts(data) + [len(data)]
-    cuts = []
-    for start, end in zip(defs[:-1], defs[1:], strict=True):
-        if end - start > max_seq_len:
-            cuts.extend(_grouped_paragraph_cuts(data, start, end, max(max_seq_len // 2, 1)))
-        else:
-            cuts.append(start)
-    return cuts
-
-
-def split_document_spans(data: bytes, *, python: bool, max_seq_len: int) -> list[tuple[int, int]]:
-    """Cut a file's bytes into `(start, end)` spans that cover it in order, none empty,
-    each at most `max_seq_len` long: natural documents, long ones cut into chunks."""
-    cuts = _document_cuts(data, python=python, max_seq_len=max_seq_len)
-    bounds = sorted(set(cuts) | {len(data)})
-    spans = []
-    for doc_start, doc_end in zip(bounds[:-1], bounds[1:], strict=True):
-        for start in range(doc_start, doc_end, max_seq_len):
-            spans.append((start, min(start + max_seq_len, doc_end)))
-    return spans
-
-
-def _text_files_under(folder: Path) -> list[Path]:
-    """Text files under `folder`, recursively, skipping hidden and cache folders, sorted."""
-    found = []
-    for path in folder.rglob("*"):
-        parts = path.relative_to(folder).parts
-        if any(part.startswith(".") or part == "__pycache__" for part in parts):
-            continue
-        if path.suffix.lower() in TEXT_SUFFIXES and path.is_file():
-            found.append(path)
-    return sorted(found, key=lambda path: path.relative_to(folder).as_posix())
-
-
-def _collect_files(inputs: Iterable[PathLike]) -> list[Path]:
-    """Expand inputs (files taken as given, folders searched) into unique files, in order."""
-    files: list[Path] = []
-    seen: set[Path] = set()
-    for item in inputs:
-        path = Path(item)
-        if not path.exists():
-            raise ValueError(f"input '{path}' does not exist")
-        for file in [path] if path.is_file() else _text_files_under(path):
-            if file.resolve() not in seen:
-                seen.add(file.resolve())
-                files.append(file)
-    return files
-
-
-def _check_output_free(output: Path) -> None:
-    """Refuse an output that is a file or already holds Parquet data."""
-    if output.exists() and not output.is_dir():
-        raise ValueError(f"output '{output}' exists and is not a folder")
-    if output.is_dir() and any(output.glob("*.parquet")):
-        raise ValueError(f"output '{output}' already contains Parquet files; refusing to overwrite")
-
-
-def _load_spans(files: Sequence[Path], max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Read all files into one byte buffer; return it and an (n, 4) array of rows
-    `(file index, offset in file, start in buffer, end in buffer)`."""
-    buffers, rows, base = [], [], 0
-    for index, file in enumerate(files):
-        data = file.read_bytes()
-        python = file.suffix.lower() == ".py"
-        for start, end in split_document_spans(data, python=python, max_seq_len=max_seq_len):
-            rows.append((index, start, base + start, base + end))
-        buffers.append(data)
-        base += len(data)
-    corpus = np.frombuffer(b"".join(buffers), dtype=np.uint8)
-    return corpus, np.array(rows, dtype=np.int64).reshape(-1, 4)
-
-
-def _shard_table(
-    first_id: int, spans: np.ndarray, corpus: np.ndarray, names: list[str]
-) -> pa.Table:
-    """Build one shard's table from its rows of `_load_spans` spans, ids from `first_id`."""
+def _shard_table(first_id: int, spans: np.ndarray, values: np.ndarray, names: list[str],
+                 token_type: np.dtype) -> pa.Table:
+    """Build one shard's table from its rows of `gather_rows` spans, ids from `first_id`."""
     lengths = (spans[:, 3] - spans[:, 2]).astype(np.int32)
     offsets = np.zeros(len(spans) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate([corpus[start:end] for start, end in spans[:, 2:4]])
-    tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(np.int16)))
+    tokens = np.concatenate([values[start:end] for start, end in spans[:, 2:4]])
     return pa.table({
         "id": pa.array(np.arange(first_id, first_id + len(spans), dtype=np.int64)),
-        "tokens": tokens,
+        "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(tokens.astype(token_type))),
         "length": pa.array(lengths),
         "source": pa.array([names[index] for index in spans[:, 0]], type=pa.string()),
         "offset": pa.array(spans[:, 1]),
     })
+
+
+def _tokenizer_record(tokenizer: Tokenizer) -> dict:
+    """The `tokenizer` section of `_prepare.json`."""
+    return {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size),
+            "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id}
 
 
 def prepare(
@@ -212,39 +111,62 @@ def prepare(
     max_seq_len: int = 256,
     rows_per_shard: int = 20000,
     seed: int = 0,
+    tokenizer: Tokenizer | PathLike | None = None,
+    text_field: str = "text",
 ) -> dict:
-    """Turn text files, or folders of them, into shuffled Parquet shards of byte tokens.
+    """Turn text files, JSONL and Parquet files, or folders of them, into shuffled Parquet
+    shards of tokens: UTF-8 bytes, or `tokenizer`'s (a Tokenizer, or a path `load_tokenizer`
+    loads) with its EOS after each document. `text_field` names the text of JSONL/Parquet.
 
-    Writes `output/part-NNNNN.parquet` and `output/_prepare.json`, and returns the stats
-    written there. Raises ValueError if an input is missing, no text is found, or `output`
-    already contains Parquet files.
+    Writes `output/tokenizer/` (unless bytes), `output/part-NNNNN.parquet`, then
+    `output/_prepare.json`, and returns the stats written there. Raises ValueError naming the
+    culprit if the tokenizer does not load, an input is missing, binary or malformed, no text
+    is found, or `output` already contains Parquet files.
     """
     if max_seq_len < 1 or rows_per_shard < 1:
         raise ValueError(f"max_seq_len ({max_seq_len}) and rows_per_shard ({rows_per_shard}) "
                          "must both be at least 1")
     out = Path(output)
     _check_output_free(out)
-    files = _collect_files(inputs)
-    corpus, spans = _load_spans(files, max_seq_len)
+    if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
+        tokenizer = load_tokenizer(tokenizer)
+    files = collect_input_files(inputs)
+    values, spans = gather_rows(files, tokenizer, max_seq_len, text_field)
     if len(spans) == 0:
         shown = ", ".join(f"'{item}'" for item in inputs) or "(no inputs given)"
         raise ValueError(f"no input text found in {shown}")
     spans = spans[np.random.default_rng(seed).permutation(len(spans))]
+    max_token_id = int(values.max())
+    widest = max(int(tokenizer.vocab_size) - 1, max_token_id)
+    token_type = np.dtype(np.int16 if widest <= _INT16_MAX else np.int32)
     names = [str(file) for file in files]
     out.mkdir(parents=True, exist_ok=True)
+    if tokenizer.kind != "bytes":
+        tokenizer.save(out / TOKENIZER_DIR)
     starts = range(0, len(spans), rows_per_shard)
     for shard, first in enumerate(starts):
-        table = _shard_table(first, spans[first:first + rows_per_shard], corpus, names)
+        table = _shard_table(first, spans[first:first + rows_per_shard], values, names, token_type)
         pq.write_table(table, out / f"part-{shard:05d}.parquet")
     stats = {
         "rows": len(spans),
-        "tokens": int(corpus.size),
+        "tokens": int(values.size),
         "max_seq_len": max_seq_len,
         "shards": len(starts),
         "source_files": len(files),
+        "tokenizer": _tokenizer_record(tokenizer),
+        "max_token_id": max_token_id,
+        "token_type": token_type.name,
     }
     (out / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
     return stats
+
+
+def _check_output_free(output: Path) -> None:
+    """Refuse an output that is a file or already holds Parquet data."""
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"output '{output}' exists and is not a folder")
+    if output.is_dir() and any(output.glob("*.parquet")):
+        raise ValueError(f"output '{output}' already contains Parquet files; refusing to overwrite")
 
 
 def stdlib_source_files(max_total_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
@@ -354,22 +276,88 @@ def _max_length(parquet: pq.ParquetFile) -> int:
     return best
 
 
+def _int_or_none(mapping: dict, key: str) -> int | None:
+    """`mapping[key]` if it is an integer or null/absent; else ValueError naming the key."""
+    value = mapping.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ValueError(f"'{key}' is {value!r}, not an integer")
+    return value
+
+
+def _recorded_tokenizer(fs: pafs.FileSystem, root: str) -> dict:
+    """DatasetInfo's tokenizer fields, from `_prepare.json` and `tokenizer/` in folder `root`
+    (all None without `_prepare.json`). ValueError naming `_prepare.json` if it is corrupt."""
+    fields = dict.fromkeys(("vocab_size", "max_token_id", "eos_id", "pad_id", "tokenizer_kind",
+                            "tokenizer_path"))
+    stats_path = f"{root}/{STATS_FILE}"
+    if fs.get_file_info(stats_path).type != pafs.FileType.File:
+        return fields
+    try:
+        with fs.open_input_stream(stats_path) as handle:
+            stats = json.loads(handle.read())
+        if not isinstance(stats, dict):
+            raise ValueError("it is not a JSON object")
+        # Versions before tokenizers wrote no `tokenizer` section: their tokens were bytes.
+        section = stats.get("tokenizer", {"kind": "bytes", "vocab_size": BYTE_VOCAB})
+        if not isinstance(section, dict) or not isinstance(section.get("kind"), str):
+            raise ValueError(f"'tokenizer' is {section!r}, not an object with a 'kind'")
+        fields.update(vocab_size=_int_or_none(section, "vocab_size"),
+                      eos_id=_int_or_none(section, "eos_id"),
+                      pad_id=_int_or_none(section, "pad_id"),
+                      max_token_id=_int_or_none(stats, "max_token_id"),
+                      tokenizer_kind=section["kind"])
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"dataset file '{stats_path}' is corrupt: {exc}") from exc
+    copy = f"{root}/{TOKENIZER_DIR}"
+    if fs.get_file_info(copy).type == pafs.FileType.Directory:
+        fields["tokenizer_path"] = copy
+    return fields
+
+
 def inspect_dataset(path: str) -> DatasetInfo:
-    """Check a folder of Parquet shards (local, or any URI pyarrow.fs understands) and
-    count its rows and longest sample from metadata, never reading `tokens`.
+    """Check a folder of Parquet shards (local, or any URI pyarrow.fs understands), count its
+    rows and longest sample from metadata, never reading `tokens`, and read what
+    `_prepare.json` records of its tokenizer.
 
     Raises ValueError naming the path if it does not exist, holds no .parquet files, lacks
-    the `id`, `tokens` or `length` columns, has a non-integer `length`, or has no rows.
+    the `id`, `tokens` or `length` columns, has a non-integer `length`, or has no rows, and
+    naming `_prepare.json` if that is corrupt.
     """
     fs, root = _resolve_dataset_path(str(path))
     files = _list_parquet_files(fs, root, str(path))
     rows, max_length = 0, 0
+    columns: list[str] | None = None
     for file in files:
         with fs.open_input_file(file) as handle:
             parquet = pq.ParquetFile(handle)
-            _check_schema(parquet.schema_arrow, file)
+            schema = parquet.schema_arrow
+            _check_schema(schema, file)
             rows += parquet.metadata.num_rows
             max_length = max(max_length, _max_length(parquet))
+            columns = [name for name in columns or schema.names if name in schema.names]
     if rows == 0:
         raise ValueError(f"dataset '{path}' is empty: its Parquet files hold no rows")
-    return DatasetInfo(path=root, filesystem=fs, files=files, rows=rows, max_length=max_length)
+    is_folder = fs.get_file_info(root).type == pafs.FileType.Directory
+    recorded = _recorded_tokenizer(fs, root) if is_folder else {}
+    return DatasetInfo(path=root, filesystem=fs, files=files, rows=rows, max_length=max_length,
+                       columns=tuple(columns or ()), **recorded)
+
+
+def load_dataset_tokenizer(info: DatasetInfo) -> Tokenizer:
+    """The tokenizer a data set was prepared with: its `tokenizer/` copy (copied to a
+    temporary folder first when the data set is not on the local filesystem), else bytes.
+
+    Raises ValueError if `_prepare.json` names a tokenizer other than bytes but the copy is
+    missing, or the copy does not load."""
+    label = f"the tokenizer of dataset '{info.path}'"
+    if info.tokenizer_path is None:
+        if info.tokenizer_kind not in (None, "bytes"):
+            raise ValueError(f"dataset '{info.path}' was prepared with a {info.tokenizer_kind} "
+                             f"tokenizer, but its copy '{TOKENIZER_DIR}/' is missing")
+        return ByteTokenizer()
+    if isinstance(info.filesystem, pafs.LocalFileSystem):
+        return load_tokenizer(info.tokenizer_path, label=label)
+    with tempfile.TemporaryDirectory(prefix="elastic_train-tokenizer-") as scratch:
+        pafs.copy_files(info.tokenizer_path, scratch, source_filesystem=info.filesystem,
+                        destination_filesystem=pafs.LocalFileSystem())
+        return load_tokenizer(scratch, label=label)

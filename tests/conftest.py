@@ -46,3 +46,25 @@ def ray_cluster():
              log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory) -> str:
+    """The path of a small byte-level BPE `tokenizer.json` (vocabulary 400, with the special
+    tokens "<|endoftext|>" (id 0) and "<pad>" (id 1); decode(encode(text)) == text), trained
+    in a few tens of milliseconds on a few standard-library modules."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [str(stdlib / name) for name in ("textwrap.py", "shlex.py", "fnmatch.py")]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train(files, trainer)
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return str(path)

@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
 from elastic_train import prepare as prepare_module
+from elastic_train import sources
+from elastic_train.cli import main as cli_main
 from elastic_train.plan import bucket_window
 from elastic_train.prepare import (
     default_corpus_dir,
     inspect_dataset,
+    load_dataset_tokenizer,
     prepare,
     split_document_spans,
     stdlib_source_files,
 )
+from elastic_train.sources import tokenized_file_rows
+from elastic_train.tokenizer import ByteTokenizer, load_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -55,6 +63,7 @@ async def third():
     """Unicode: h\u00e9llo w\u00f6rld \u2603."""
 '''
 
+BYTES_RECORD = {"kind": "bytes", "vocab_size": 256, "eos_id": None, "pad_id": None}
 TEXT = "First paragraph,\ntwo lines.\n\n\nSecond paragraph.\n  \n\nThird " + "long " * 80 + "end.\n"
 
 
@@ -98,7 +107,11 @@ def test_round_trip_reconstructs_every_file(tmp_path):
     total_bytes = sum(path.stat().st_size for path in files)
     assert stats == {"rows": len(table), "tokens": total_bytes, "max_seq_len": 64,
                      "shards": len(list((tmp_path / "out").glob("part-*.parquet"))),
-                     "source_files": 4}  # the empty file was read too
+                     "source_files": 4,  # the empty file was read too
+                     "tokenizer": BYTES_RECORD, "token_type": "int16",
+                     "max_token_id": max(max(path.read_bytes()) for path in files)}
+    assert table.schema.field("tokens").type == pa.list_(pa.int16())
+    assert not (tmp_path / "out" / "tokenizer").exists()  # no copy of the byte tokenizer
     assert stats["shards"] == -(-len(table) // 5)
     assert json.loads((tmp_path / "out" / "_prepare.json").read_text()) == stats
 
@@ -207,6 +220,11 @@ def test_inspect_dataset_reads_metadata(tmp_path):
     assert info.files == sorted(info.files) and len(info.files) == stats["shards"]
     assert info.path == str(tmp_path / "out")
     assert inspect_dataset(f"file://{tmp_path / 'out'}").rows == stats["rows"]
+    assert (info.vocab_size, info.eos_id, info.pad_id, info.tokenizer_kind) == (256, None, None,
+                                                                               "bytes")
+    assert info.max_token_id == stats["max_token_id"] and info.tokenizer_path is None
+    assert info.columns == ("id", "tokens", "length", "source", "offset")
+    assert isinstance(load_dataset_tokenizer(info), ByteTokenizer)
 
 
 def test_inspect_dataset_without_statistics_reads_length(tmp_path):
@@ -216,6 +234,11 @@ def test_inspect_dataset_without_statistics_reads_length(tmp_path):
     pq.write_table(table, tmp_path / "ds" / "a.parquet", write_statistics=False)
     info = inspect_dataset(str(tmp_path / "ds"))
     assert (info.rows, info.max_length) == (2, 3)
+    # Made by another tool: no _prepare.json, so nothing is known of its tokenizer.
+    assert (info.vocab_size, info.max_token_id, info.eos_id, info.pad_id) == (None,) * 4
+    assert (info.tokenizer_kind, info.tokenizer_path) == (None, None)
+    assert info.columns == ("id", "tokens", "length")
+    assert isinstance(load_dataset_tokenizer(info), ByteTokenizer)
 
 
 def test_inspect_dataset_errors(tmp_path):
@@ -309,3 +332,260 @@ def test_default_corpus_refuses_an_unfinished_cache_folder(tmp_path, monkeypatch
         default_corpus_dir(max_seq_len=512, cache_root=tmp_path)
     assert str(final) in str(info.value)
     assert [path.name for path in tmp_path.iterdir()] == [final.name]
+
+
+# --- Tokenizers, JSONL and Parquet inputs -------------------------------------------------
+
+EOS = "<|endoftext|>"  # id 0 of the bpe_tokenizer fixture
+DOCS = ["def f(x):\n    return x + 1\n", "Unicode: h\u00e9llo w\u00f6rld \u2603, a long line. " * 8,
+        "short"]
+
+
+def token_streams(table: pa.Table) -> dict[str, list[int]]:
+    """Each source's token stream: its rows ordered by `offset`, concatenated."""
+    pieces = defaultdict(list)
+    for row in table.select(["source", "offset", "tokens"]).to_pylist():
+        pieces[row["source"]].append((row["offset"], row["tokens"]))
+    streams = {}
+    for source, rows in pieces.items():
+        rows.sort()
+        offsets = [offset for offset, _ in rows]
+        assert offsets == list(np.cumsum([0] + [len(tokens) for _, tokens in rows[:-1]]))
+        streams[source] = [token for _, tokens in rows for token in tokens]
+    return streams
+
+
+def split_at(ids: list[int], eos: int) -> list[list[int]]:
+    """`ids` cut after each `eos`, which must end it."""
+    assert ids[-1] == eos
+    docs, start = [], 0
+    for index, token in enumerate(ids):
+        if token == eos:
+            docs.append(ids[start:index])
+            start = index + 1
+    return docs
+
+
+def write_jsonl(path: Path, records: list, blank_lines: bool = False) -> Path:
+    lines = [json.dumps(record) for record in records]
+    path.write_text("\n\n".join(lines) + "\n" if blank_lines else "\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_through_the_cli_each_record_decodes_to_its_text_and_eos(
+        tmp_path, capsys, bpe_tokenizer):
+    records = [{"text": doc, "n": i} for i, doc in enumerate(DOCS)] + [{"text": ""}]
+    jsonl = write_jsonl(tmp_path / "docs.jsonl", records, blank_lines=True)
+    out = tmp_path / "out"
+    argv = ["prepare", str(jsonl), "--output", str(out), "--max-seq-len", "16",
+            "--tokenizer", bpe_tokenizer]
+    assert cli_main(argv) == 0
+    stats = json.loads(capsys.readouterr().out)
+    tokenizer = load_tokenizer(bpe_tokenizer)
+    table = read_all(out)
+    assert table.schema.field("tokens").type == pa.list_(pa.int16())
+    lengths = table.column("length").to_numpy()
+    assert lengths.max() == 16 and stats["rows"] == len(table) > len(DOCS)  # long docs cut
+    stream = token_streams(table)[str(jsonl)]
+    assert tokenizer.decode(stream) == "".join(doc + EOS for doc in DOCS)  # the empty one skipped
+    assert [tokenizer.decode(doc) for doc in split_at(stream, 0)] == DOCS
+    assert stats["tokens"] == len(stream) and stats["source_files"] == 1
+    assert stats["tokenizer"] == {"kind": "hf", "vocab_size": 400, "eos_id": 0, "pad_id": 1}
+
+
+def test_parquet_text_column_is_read_in_batches(tmp_path, monkeypatch, bpe_tokenizer):
+    monkeypatch.setattr(sources, "PARQUET_BATCH_ROWS", 2)
+    texts = [DOCS[i % 3] + f" #{i}" for i in range(7)]
+    table = pa.table({"n": list(range(8)), "body": texts[:3] + [None] + texts[3:]})
+    pq.write_table(table, tmp_path / "docs.parquet", row_group_size=3)
+    stats = prepare([tmp_path / "docs.parquet"], tmp_path / "out", max_seq_len=24,
+                    tokenizer=bpe_tokenizer, text_field="body")
+    tokenizer = load_tokenizer(bpe_tokenizer)
+    stream = token_streams(read_all(tmp_path / "out"))[str(tmp_path / "docs.parquet")]
+    assert [tokenizer.decode(doc) for doc in split_at(stream, 0)] == texts  # the null skipped
+    assert stats["max_token_id"] == max(stream)
+
+
+def test_jsonl_and_parquet_without_a_tokenizer_are_bytes(tmp_path):
+    jsonl = write_jsonl(tmp_path / "a.jsonl", [{"text": doc} for doc in DOCS])
+    pq.write_table(pa.table({"text": DOCS}), tmp_path / "b.parquet")
+    stats = prepare([jsonl, tmp_path / "b.parquet"], tmp_path / "out", max_seq_len=32)
+    streams = token_streams(read_all(tmp_path / "out"))
+    everything = "".join(DOCS).encode()
+    assert {source: bytes(stream) for source, stream in streams.items()} == {
+        str(jsonl): everything, str(tmp_path / "b.parquet"): everything}
+    assert stats["tokenizer"] == BYTES_RECORD and stats["tokens"] == 2 * len(everything)
+
+
+def test_folder_input_picks_up_text_jsonl_and_parquet_files(tmp_path):
+    root = tmp_path / "in"
+    files = write_inputs(root)
+    write_jsonl(root / "pkg" / "records.jsonl", [{"text": "from jsonl"}])
+    pq.write_table(pa.table({"text": ["from parquet"]}), root / "rows.parquet")
+    (root / "notes.json").write_text('{"text": "not a .jsonl"}')
+    (root / ".hidden").mkdir()
+    write_jsonl(root / ".hidden" / "skipped.jsonl", [{"text": "hidden"}])
+    stats = prepare([root], tmp_path / "out")
+    streams = token_streams(read_all(tmp_path / "out"))
+    assert bytes(streams[str(root / "pkg" / "records.jsonl")]) == b"from jsonl"
+    assert bytes(streams[str(root / "rows.parquet")]) == b"from parquet"
+    assert set(streams) == {str(path) for path in files} | {
+        str(root / "pkg" / "records.jsonl"), str(root / "rows.parquet")}
+    assert stats["source_files"] == 6  # and pkg/empty.txt
+
+
+def test_text_files_with_a_tokenizer_keep_the_document_cuts(tmp_path, bpe_tokenizer):
+    files = write_inputs(tmp_path / "in")
+    prepare([tmp_path / "in"], tmp_path / "out", max_seq_len=12, tokenizer=bpe_tokenizer)
+    tokenizer = load_tokenizer(bpe_tokenizer)
+    streams = token_streams(read_all(tmp_path / "out"))
+    for path in files:
+        data = path.read_bytes()
+        natural = split_document_spans(data, python=path.suffix == ".py", max_seq_len=10**9)
+        expected = "".join(data[start:end].decode() + EOS for start, end in natural)
+        assert tokenizer.decode(streams[str(path)]) == expected  # one EOS after each document
+    rows = read_all(tmp_path / "out").column("tokens").to_pylist()
+    texts = [tokenizer.decode(row) for row in rows]
+    for start in ("@decorator\n", "class Second:\n", "async def third("):  # defs start rows
+        assert any(text.startswith(start) for text in texts)
+
+
+@pytest.mark.parametrize("max_seq_len", [8, 40, 64, 10_000])
+@pytest.mark.parametrize("python", [True, False])
+def test_tokenized_rows_of_bytes_without_eos_are_the_byte_spans(max_seq_len, python):
+    body = "".join(f"    step_{i} = {i}\n\n" for i in range(10))
+    data = (PY_SOURCE + TEXT + "def long():\n" + body).encode()
+
+    def encode(text: bytes) -> np.ndarray:
+        return np.frombuffer(text, dtype=np.uint8)
+
+    rows = tokenized_file_rows(data, python=python, encode=encode, eos_id=None,
+                               max_seq_len=max_seq_len)
+    spans = split_document_spans(data, python=python, max_seq_len=max_seq_len)
+    assert [bytes(row) for row in rows] == [data[start:end] for start, end in spans]
+
+
+def test_tokens_are_int32_only_for_a_vocabulary_beyond_int16(tmp_path, bpe_tokenizer):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(40_000)} | {"[UNK]": 40_000, "</s>": 40_001}
+    big = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    big.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    big.save(str(tmp_path / "big.json"))
+    jsonl = write_jsonl(tmp_path / "a.jsonl", [{"text": "w1 w39999 w7"}, {"text": "w32768"}])
+    stats = prepare([jsonl], tmp_path / "big", tokenizer=str(tmp_path / "big.json"))
+    table = read_all(tmp_path / "big")
+    assert table.schema.field("tokens").type == pa.list_(pa.int32())
+    assert token_streams(table)[str(jsonl)] == [1, 39999, 7, 40_001, 32768, 40_001]
+    assert stats["token_type"] == "int32" and stats["max_token_id"] == 40_001
+    assert stats["tokenizer"] == {"kind": "hf", "vocab_size": 40_002, "eos_id": 40_001,
+                                  "pad_id": None}
+    small = prepare([jsonl], tmp_path / "small", tokenizer=bpe_tokenizer)
+    assert read_all(tmp_path / "small").schema.field("tokens").type == pa.list_(pa.int16())
+    assert small["token_type"] == "int16"
+
+
+def test_prepare_json_and_inspect_dataset_record_the_tokenizer(tmp_path, bpe_tokenizer):
+    write_inputs(tmp_path / "in")
+    stats = prepare([tmp_path / "in"], tmp_path / "out", max_seq_len=32, tokenizer=bpe_tokenizer)
+    out = tmp_path / "out"
+    assert json.loads((out / "_prepare.json").read_text()) == stats
+    tokens = read_all(out).column("tokens").combine_chunks().values.to_numpy()
+    assert stats["max_token_id"] == tokens.max()
+    assert stats["tokenizer"] == {"kind": "hf", "vocab_size": 400, "eos_id": 0, "pad_id": 1}
+    for path in (str(out), f"file://{out}"):
+        info = inspect_dataset(path)
+        assert (info.vocab_size, info.max_token_id, info.eos_id, info.pad_id) == (
+            400, stats["max_token_id"], 0, 1)
+        assert (info.tokenizer_kind, info.tokenizer_path) == ("hf", str(out / "tokenizer"))
+        assert info.columns == ("id", "tokens", "length", "source", "offset")
+    text = "def g(y):\n    return y * 2\n"
+    expected = load_tokenizer(bpe_tokenizer).encode(text)
+    assert load_dataset_tokenizer(info).encode(text) == expected
+    # Not on the local filesystem: the copy is fetched into a temporary folder first.
+    remote = replace(info, filesystem=pafs.SubTreeFileSystem("/", pafs.LocalFileSystem()))
+    assert load_dataset_tokenizer(remote).encode(text) == expected
+
+
+def test_inspect_dataset_refuses_a_corrupt_prepare_json(tmp_path):
+    write_inputs(tmp_path / "in")
+    prepare([tmp_path / "in"], tmp_path / "out")
+    stats_file = tmp_path / "out" / "_prepare.json"
+    stats = json.loads(stats_file.read_text())
+    for key in ("tokenizer", "max_token_id", "token_type"):
+        del stats[key]  # as written before tokenizers: the tokens were bytes
+    stats_file.write_text(json.dumps(stats))
+    info = inspect_dataset(str(tmp_path / "out"))
+    assert (info.vocab_size, info.tokenizer_kind, info.max_token_id) == (256, "bytes", None)
+    for corrupt in ["{not json", "[1, 2]", json.dumps({"tokenizer": {"kind": "hf",
+                                                                     "vocab_size": "many"}})]:
+        stats_file.write_text(corrupt)
+        with pytest.raises(ValueError, match="is corrupt") as info:
+            inspect_dataset(str(tmp_path / "out"))
+        assert str(stats_file) in str(info.value)
+
+
+def test_load_dataset_tokenizer_refuses_a_missing_copy(tmp_path, bpe_tokenizer):
+    write_inputs(tmp_path / "in")
+    prepare([tmp_path / "in"], tmp_path / "out", tokenizer=bpe_tokenizer)
+    shutil.rmtree(tmp_path / "out" / "tokenizer")
+    with pytest.raises(ValueError, match="hf tokenizer, but its copy 'tokenizer/' is missing"):
+        load_dataset_tokenizer(inspect_dataset(str(tmp_path / "out")))
+
+
+def bad_input(case: str, root: Path) -> tuple[list[str], list[str]]:
+    """The `prepare` arguments of one bad input, and what its error message must name."""
+    good = write_jsonl(root / "good.jsonl", [{"text": "fine"}])
+    if case == "tokenizer missing":
+        return [str(good), "--tokenizer", str(root / "nope")], [f"--tokenizer '{root / 'nope'}'",
+                                                                 "does not load"]
+    if case == "tokenizer corrupt":
+        (root / "bad.json").write_text('{"model": 1}')
+        return [str(good), "--tokenizer", str(root / "bad.json")], [
+            f"--tokenizer '{root / 'bad.json'}' does not load: "]
+    if case == "tokenizer folder of nothing":
+        (root / "empty").mkdir()
+        return [str(good), "--tokenizer", str(root / "empty")], [
+            f"--tokenizer '{root / 'empty'}' does not load: "]
+    if case == "jsonl field missing":
+        file = write_jsonl(root / "a.jsonl", [{"text": "ok"}, {"body": "x", "n": 1}])
+        return [str(file)], [f"'{file}' line 2 has no field 'text'", "it has: body, n"]
+    if case == "jsonl not json":
+        file = root / "a.jsonl"
+        file.write_text('{"text": "ok"}\n\n{"text": oops}\n')
+        return [str(file)], [f"'{file}' line 3 is not valid JSON"]
+    if case == "jsonl not an object":
+        file = write_jsonl(root / "a.jsonl", [["text"]])
+        return [str(file)], [f"'{file}' line 1 is not a JSON object"]
+    if case == "jsonl text not a string":
+        file = write_jsonl(root / "a.jsonl", [{"text": 3}])
+        return [str(file)], [f"'{file}' line 1: field 'text' is not a string"]
+    if case == "parquet column missing":
+        pq.write_table(pa.table({"body": ["x"], "n": [1]}), root / "a.parquet")
+        return [str(root / "a.parquet")], [f"'{root / 'a.parquet'}' has no column 'text'",
+                                           "it has: body, n"]
+    if case == "empty path":
+        return [""], ["input '' is an empty path"]
+    if case == "png":
+        (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+        return [str(root / "image.png")], [f"input '{root / 'image.png'}' is not a text file"]
+    assert case == "shared library"
+    (root / "lib.so").write_bytes(b"\x7fELF\x02\x01\x01" + bytes(range(256)))
+    return [str(good), str(root / "lib.so")], [f"input '{root / 'lib.so'}' is not a text file"]
+
+
+@pytest.mark.parametrize("case", [
+    "tokenizer missing", "tokenizer corrupt", "tokenizer folder of nothing",
+    "jsonl field missing", "jsonl not json", "jsonl not an object", "jsonl text not a string",
+    "parquet column missing", "empty path", "png", "shared library"])
+def test_bad_input_gives_one_clear_error_naming_the_culprit(case, tmp_path, capsys,
+                                                           bpe_tokenizer):
+    (tmp_path / "in").mkdir()
+    inputs, named = bad_input(case, tmp_path / "in")
+    out = tmp_path / "out"
+    assert cli_main(["prepare", *inputs, "--output", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("error: ")
+    for part in named:
+        assert part in captured.err
+    assert not out.exists()

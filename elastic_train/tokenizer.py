@@ -1,0 +1,211 @@
+"""One small interface for every tokenizer the project uses: UTF-8 bytes, or Hugging Face.
+
+A tokenizer has `kind` ("bytes" | "hf"), `vocab_size`, `eos_id` and `pad_id` (None when it has
+none), `encode(text)` (no special tokens added), `encode_batch(texts)`, `decode(ids)`,
+`save(folder)` (a copy that `load_tokenizer(folder)` loads back) and
+`save_for_transformers(folder)` (files `transformers.AutoTokenizer.from_pretrained` loads).
+
+`load_tokenizer(None)` is the byte tokenizer; a path is a `tokenizer.json` file, a folder
+holding one, or a folder `transformers.AutoTokenizer` loads, never downloaded. The Hugging Face
+libraries (the `hf` extra) are imported only when such a tokenizer is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+BYTE_VOCAB = 256
+BYTES_MARKER = "bytes_tokenizer.json"  # what ByteTokenizer.save writes, so the folder loads back
+HF_EXTRA_HINT = "pip install 'elastic_train[hf]'"
+# Names that mark the end of a document, or padding, in common vocabularies, in order of
+# preference; used when the tokenizer's own config does not say.
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>")
+# A folder holding none of these is not a tokenizer (transformers may find one through a
+# model's config.json).
+_FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
+
+
+class Tokenizer(Protocol):
+    """What prepare, training and sampling need from a tokenizer."""
+
+    kind: str  # "bytes" | "hf"
+    vocab_size: int  # every id is below this
+    eos_id: int | None  # appended after each document by prepare; None: no end marker
+    pad_id: int | None  # None: the tokenizer has no padding token
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+    def decode(self, ids: Iterable[int]) -> str: ...
+    def save(self, folder: str | os.PathLike) -> None: ...
+    def save_for_transformers(self, folder: str | os.PathLike) -> None: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, no end-of-document or padding token (the byte
+    GPT's vocabulary is exactly 256, so there is no id left for one)."""
+
+    kind = "bytes"
+    vocab_size = BYTE_VOCAB
+    eos_id: int | None = None
+    pad_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of `text`."""
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text."""
+        return [self.encode(text) for text in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of those bytes; bytes that are not valid UTF-8 become U+FFFD."""
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def save(self, folder: str | os.PathLike) -> None:
+        """Write a marker file that `load_tokenizer(folder)` reads back as bytes."""
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / BYTES_MARKER).write_text(json.dumps({"kind": "bytes"}) + "\n")
+
+    def save_for_transformers(self, folder: str | os.PathLike) -> None:
+        """Bytes have no `transformers` tokenizer: always raises ValueError."""
+        raise ValueError("the byte tokenizer has no transformers equivalent; prepare the data "
+                         "with --tokenizer to train a model that transformers can tokenize for")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers.Tokenizer`, with the end-of-document and padding ids found
+    in its config or vocabulary."""
+
+    kind = "hf"
+
+    def __init__(self, backend: Any, eos_id: int | None, pad_id: int | None) -> None:
+        self.backend = backend  # a tokenizers.Tokenizer
+        self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without the special tokens a post-processor would add."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, in parallel threads."""
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids`, special tokens included."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def _token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+    def save(self, folder: str | os.PathLike) -> None:
+        """Write `tokenizer.json` and a `tokenizer_config.json` naming the EOS and pad tokens
+        (which `transformers.AutoTokenizer` also loads, without transformers installed here)."""
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(Path(folder) / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  "eos_token": self._token(self.eos_id), "pad_token": self._token(self.pad_id)}
+        (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    def save_for_transformers(self, folder: str | os.PathLike) -> None:
+        """Write the files the installed `transformers` saves for this tokenizer."""
+        try:
+            from transformers import PreTrainedTokenizerFast
+        except ImportError as exc:
+            raise ValueError(f"saving a tokenizer for transformers needs it: {HF_EXTRA_HINT}") from exc
+        wrapped = PreTrainedTokenizerFast(tokenizer_object=self.backend,
+                                          eos_token=self._token(self.eos_id),
+                                          pad_token=self._token(self.pad_id))
+        wrapped.save_pretrained(str(folder))
+
+
+def _config_token(folder: Path, key: str) -> str | None:
+    """The token named by `key` in the folder's tokenizer_config.json or special_tokens_map.json
+    (a string, or an {"content": ...} mapping), or None."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            value = json.loads((folder / name).read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def _special_id(backend: Any, configured: str | None, names: Sequence[str]) -> int | None:
+    """The id of the configured token if the vocabulary has it, else of the first of `names`
+    it has, else None."""
+    for token in ([configured] if configured else []) + list(names):
+        token_id = backend.token_to_id(token)
+        if token_id is not None:
+            return int(token_id)
+    return None
+
+
+def _from_tokenizer_json(file: Path) -> HFTokenizer:
+    """A tokenizer.json file, with special tokens from the config files beside it."""
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_file(str(file))
+    folder = file.parent
+    eos = _special_id(backend, _config_token(folder, "eos_token"), EOS_NAMES)
+    pad = _special_id(backend, _config_token(folder, "pad_token"), PAD_NAMES)
+    return HFTokenizer(backend, eos, pad)
+
+
+def _from_transformers(folder: Path) -> HFTokenizer:
+    """A folder that `transformers.AutoTokenizer` loads from local files only."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    backend = getattr(loaded, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"transformers loads it as {type(loaded).__name__}, which has no fast "
+                         "(tokenizers) backend")
+    eos = _special_id(backend, getattr(loaded, "eos_token", None), EOS_NAMES)
+    pad = _special_id(backend, getattr(loaded, "pad_token", None), PAD_NAMES)
+    return HFTokenizer(backend, eos, pad)
+
+
+def load_tokenizer(path: str | os.PathLike | None, *, label: str = "--tokenizer") -> Tokenizer:
+    """The tokenizer at `path`: None -> bytes; a tokenizer.json file; a folder holding one (or
+    the marker `ByteTokenizer.save` writes); else a folder `transformers.AutoTokenizer` loads
+    with `local_files_only=True`. Nothing is downloaded.
+
+    Raises ValueError "<label> 'path' does not load: <why>", pointing at the `hf` extra when
+    the Hugging Face libraries are missing.
+    """
+    if path is None:
+        return ByteTokenizer()
+    shown = f"{label} '{path}' does not load"
+    file = Path(path).expanduser()
+    if not str(path).strip():
+        raise ValueError(f"{shown}: it is an empty path")
+    if not file.exists():
+        raise ValueError(f"{shown}: no such file or folder (nothing is downloaded: give a local "
+                         "tokenizer.json or a folder holding a transformers tokenizer)")
+    if file.is_dir() and (file / BYTES_MARKER).is_file():
+        return ByteTokenizer()
+    if file.is_dir() and not any((file / name).is_file() for name in _FOLDER_FILES):
+        raise ValueError(f"{shown}: the folder holds none of {', '.join(_FOLDER_FILES)}")
+    try:
+        if file.is_dir() and (file / "tokenizer.json").is_file():
+            return _from_tokenizer_json(file / "tokenizer.json")
+        if file.is_file():
+            return _from_tokenizer_json(file)
+        return _from_transformers(file)
+    except ImportError as exc:
+        raise ValueError(f"{shown}: the Hugging Face libraries are not installed ({exc}); "
+                         f"{HF_EXTRA_HINT}") from exc
+    except Exception as exc:  # tokenizers and transformers raise many kinds for a bad file
+        why = " ".join(str(exc).split())[:400] or type(exc).__name__  # one line
+        raise ValueError(f"{shown}: {why}") from exc
