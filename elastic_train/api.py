@@ -78,9 +78,10 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     to the data set (`model.vocab_size`, `data.pad_id`), so the resolved config says it."""
     info = resolve_dataset(cfg)
     if cfg.data.pad_id is None:
-        cfg.data.pad_id = info.pad_id if getattr(info, "pad_id", None) is not None else 0
+        cfg.data.pad_id = info.pad_id if info.pad_id is not None else 0
     if cfg.model.vocab_size is None and cfg.model.name != "hf":
-        cfg.model.vocab_size = getattr(info, "vocab_size", None) or BYTE_VOCAB
+        # a tokenizer may report fewer tokens than its largest id: the larger of the two
+        cfg.model.vocab_size = max(info.vocab_size or 0, (info.max_token_id or -1) + 1) or BYTE_VOCAB
     model = build_meta_model(cfg, model_fn)
     check_model_fits_data(cfg, info, model)
     check_resumable(cfg, model_signature(model))
@@ -100,7 +101,7 @@ def check_model_fits_data(cfg: Config, info: DatasetInfo, model: torch.nn.Module
     """The model embeds every token id of the data, the pad id, and positions up to
     data.max_seq_len (where the model says how many it has)."""
     rows = input_embedding_rows(model)
-    largest = max(getattr(info, "max_token_id", None) or 0, cfg.data.pad_id or 0)
+    largest = max(info.max_token_id or 0, cfg.data.pad_id or 0)
     if rows is not None and largest >= rows:
         raise ConfigError(
             f"model: its embedding has {rows} rows but data set {info.path} uses token id {largest}; "
@@ -167,6 +168,21 @@ def init_ray(cfg: Config) -> bool:
     ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1",
              runtime_env={"env_vars": {"PYTHONPATH": driver_pythonpath()}})
     return True
+
+
+def ship_by_value(fn) -> None:
+    """Let Ray (cloudpickle) send a driver's function with its code, not as a reference to its
+    module, unless that module is installed (importable on every worker): a function defined in a
+    driver script, a test module or a folder only the driver sees then still runs on the workers."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__" or module.__name__.startswith("elastic_train"):
+        return  # __main__ goes by value anyway; ours is installed
+    file = getattr(module, "__file__", None) or ""
+    if "site-packages" in file or "dist-packages" in file:
+        return
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(module)
 
 
 def driver_pythonpath() -> str:
@@ -261,6 +277,8 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
     raises TrainingFailed.
     """
     info = check_inputs(cfg, model_fn)
+    for fn in (model_fn, loss_fn):
+        ship_by_value(fn)
     started_here = init_ray(cfg)
     start = time.time()
     runlog = start_runlog(cfg)

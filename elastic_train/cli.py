@@ -1,7 +1,9 @@
-"""The `elastic-train` command line: train, prepare, report.
+"""The `elastic-train` command line: train, prepare, export, sample, report.
 
     elastic-train train [--config FILE.yaml] [dotted.key=value ...]
     elastic-train prepare INPUT... --output DIR [--max-seq-len N]
+    elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME]
+    elastic-train sample RUN_FOLDER --prompt TEXT [--max-new-tokens N]
     elastic-train report RUN_FOLDER
 
 Exit status 0 on success; on bad input, non-zero with one line `error: ...` naming the culprit.
@@ -19,10 +21,9 @@ def _train(args: argparse.Namespace) -> int:
     from elastic_train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    from elastic_train.api import check_inputs, train
+    from elastic_train.api import train
     from elastic_train.progress import Progress
 
-    check_inputs(cfg)  # fail fast, before Ray starts
     progress = Progress(cfg.train.max_steps, cfg.log.progress, cfg.log.print_every_steps)
     result = train(cfg, progress=progress)
     s = result.summary
@@ -38,6 +39,22 @@ def _prepare(args: argparse.Namespace) -> int:
     stats = prepare(args.inputs, args.output, max_seq_len=args.max_seq_len, seed=args.seed,
                     tokenizer=args.tokenizer, text_field=args.text_field)
     print(json.dumps(stats))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from elastic_train.export import export
+
+    print(f"exported to {export(args.run_folder, args.output, args.checkpoint)}")
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from elastic_train.export import generate, load_trained
+
+    trained = load_trained(args.run_folder, args.checkpoint)
+    text = generate(trained, args.prompt, args.max_new_tokens, args.temperature, args.seed)
+    print(args.prompt + text)
     return 0
 
 
@@ -65,6 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text",
                    help="the text field of JSONL records and column of Parquet files")
     p.set_defaults(func=_prepare)
+    p = sub.add_parser("export", help="the trained model -> a folder transformers or safetensors loads")
+    p.add_argument("run_folder")
+    p.add_argument("--output", required=True, help="new (or empty) folder to write")
+    p.add_argument("--checkpoint", default=None, help="checkpoint folder name (default: the newest)")
+    p.set_defaults(func=_export)
+    p = sub.add_parser("sample", help="print a continuation of a prompt by the trained model")
+    p.add_argument("run_folder")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", default=None, help="checkpoint folder name (default: the newest)")
+    p.set_defaults(func=_sample)
     p = sub.add_parser("report", help="a run's figures as a table, plus loss.png and throughput.png")
     p.add_argument("run_folder")
     p.set_defaults(func=_report)

@@ -1,0 +1,149 @@
+"""What a run trained, out of the run folder: `export` to a folder other tools load, `sample` text.
+
+    elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME]
+    elastic-train sample RUN_FOLDER --prompt TEXT [--max-new-tokens N]
+
+The model is rebuilt from the run's resolved `config.yaml` (or the caller's `model_fn`, for runs
+that trained an inline model) and loaded from a complete checkpoint: the newest one unless
+`checkpoint` names another. For `model.name=hf` the export is a folder that
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads (`save_pretrained`: safetensors,
+tied weights handled), with the data set's tokenizer beside it for `AutoTokenizer`; for any other
+model `model.safetensors`, the resolved `config.yaml` and the tokenizer's copy. The output is
+written in a scratch folder renamed into place: an existing folder is never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from elastic_train.checkpoint import MANIFEST, CheckpointError, read_state, signature_mismatch
+from elastic_train.config import Config, ConfigError, config_from_dict
+from elastic_train.losses import forward, make_batch
+from elastic_train.model import ModelFn, build_model
+from elastic_train.tokenizer import Tokenizer
+
+
+@dataclass
+class TrainedModel:
+    """A run's model loaded from one of its checkpoints, with its config and tokenizer."""
+
+    model: nn.Module
+    config: Config
+    checkpoint: Path
+    tokenizer: Tokenizer
+
+
+def latest_checkpoint(run_folder: Path) -> Path:
+    """The newest complete checkpoint of a run (ValueError if it has none)."""
+    names = sorted((p for p in run_folder.glob("checkpoint_*") if (p / MANIFEST).is_file()),
+                   reverse=True)
+    if not names:
+        raise ValueError(f"run folder '{run_folder}' holds no complete checkpoint")
+    return names[0]
+
+
+def load_run_config(run_folder: Path) -> Config:
+    path = run_folder / "config.yaml"
+    if not path.is_file():
+        raise ValueError(f"'{run_folder}' is not a run folder: it has no config.yaml")
+    try:
+        return config_from_dict(yaml.safe_load(path.read_text()))
+    except (yaml.YAMLError, ConfigError) as exc:
+        raise ValueError(f"run config '{path}' is not readable: {exc}") from None
+
+
+def run_tokenizer(cfg: Config) -> Tokenizer:
+    """The tokenizer the run's data set records (bytes for byte data)."""
+    from elastic_train.prepare import default_corpus_dir, inspect_dataset, load_dataset_tokenizer
+
+    path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
+    return load_dataset_tokenizer(inspect_dataset(path))
+
+
+def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
+                 model_fn: ModelFn | None = None) -> TrainedModel:
+    """Rebuild the run's model and load a checkpoint's weights into it (on the CPU, eval mode)."""
+    folder = Path(run_folder)
+    cfg = load_run_config(folder)
+    ckpt = folder / checkpoint if checkpoint else latest_checkpoint(folder)
+    try:
+        state = read_state(ckpt)
+    except (CheckpointError, OSError) as exc:
+        raise ValueError(f"checkpoint '{ckpt}': {exc}") from None
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, cfg.data.max_seq_len, model_fn)
+    mismatch = signature_mismatch(state, {n: list(t.shape) for n, t in model.state_dict().items()})
+    if mismatch:
+        hint = "" if model_fn else " (a run of an inline model: pass its model_fn to export)"
+        raise ValueError(f"checkpoint '{ckpt}' {mismatch}{hint}")
+    model.load_state_dict(torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True))
+    return TrainedModel(model.eval(), cfg, ckpt, run_tokenizer(cfg))
+
+
+def export(run_folder: str | os.PathLike, output: str | os.PathLike, checkpoint: str | None = None,
+           model_fn: ModelFn | None = None) -> Path:
+    """Write the trained model of `run_folder` to `output` (see the module docstring)."""
+    out = Path(output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output '{out}' already exists and is not an empty folder; refusing to "
+                         "overwrite it")
+    trained = load_trained(run_folder, checkpoint, model_fn)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _write_export(trained, scratch)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.rename(scratch, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
+def _write_export(trained: TrainedModel, folder: Path) -> None:
+    tok = trained.tokenizer
+    if trained.config.model.name == "hf":
+        trained.model.save_pretrained(folder, safe_serialization=True)
+        if tok.kind == "hf":
+            tok.save_for_transformers(folder)
+        return
+    try:
+        from safetensors.torch import save_model
+    except ImportError:
+        raise ValueError("export needs safetensors: pip install 'elastic_train[hf]'") from None
+    save_model(trained.model, str(folder / "model.safetensors"))  # shared (tied) tensors once
+    (folder / "config.yaml").write_text(trained.config.to_yaml())
+    if tok.kind == "hf":
+        tok.save(folder / "tokenizer")
+
+
+@torch.no_grad()
+def generate(trained: TrainedModel, prompt: str, max_new_tokens: int = 100,
+             temperature: float = 0.8, seed: int = 0) -> str:
+    """The prompt's continuation, sampled token by token (temperature 0: greedy), up to
+    `max_new_tokens` or the tokenizer's end-of-text token."""
+    tok, max_len = trained.tokenizer, trained.config.data.max_seq_len
+    ids = tok.encode(prompt) or ([tok.eos_id] if tok.eos_id is not None else [0])
+    generator = torch.Generator().manual_seed(seed)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        context = torch.tensor([(ids + new)[-max_len:]], dtype=torch.long)
+        logits = forward(trained.model, make_batch(context, torch.tensor([context.shape[1]])))
+        logits = logits[0, -1, : tok.vocab_size].float()  # the model may embed more ids
+        if temperature <= 0:
+            next_id = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            next_id = int(torch.multinomial(probs, 1, generator=generator))
+        if next_id == tok.eos_id:
+            break
+        new.append(next_id)
+    return tok.decode(new)
