@@ -96,12 +96,12 @@ def iter_rank_steps(
     bucketing: bool = True,
     start_step: int = 0,
     pad_id: int = 0,
-    extra_columns: tuple[str, ...] = (),
 ) -> Iterator[list[MicroBatch]]:
     """This rank's micro-batches for each step of one epoch, from `start_step` on.
 
     `batches` yields dicts with `id`, `tokens` (object array of int arrays) and `length`, in the
-    same order on every rank and every attempt. After this rank's partitions run dry it yields
+    same order on every rank and every attempt; any other key is an extra column, carried to the
+    micro-batches' `extras`. After this rank's partitions run dry it yields
     empty steps forever: the epoch ends when the loop sees that every rank's step is empty.
     """
     assembler = StepAssembler(
@@ -115,10 +115,12 @@ def iter_rank_steps(
     )
     owned = np.zeros(num_partitions, dtype=bool)
     owned[partitions] = True
+    extra_columns: tuple[str, ...] = ()
     for batch in batches:
         ids = np.asarray(batch["id"], dtype=np.int64)
         part = partition_of(ids, num_partitions)
         tokens, lengths = batch["tokens"], batch["length"]
+        extra_columns = tuple(name for name in batch if name not in ("id", "tokens", "length"))
         extras = [batch[name] for name in extra_columns]
         for i in np.flatnonzero(owned[part]):
             row = (int(ids[i]), tokens[i], tuple(column[i] for column in extras))
