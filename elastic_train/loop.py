@@ -118,16 +118,18 @@ def micro_batch_seed(seed: int, step: int, partition: int) -> int:
     return int(np.random.SeedSequence([seed, step, partition]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def dry_rank_batch(template: MicroBatch | None, pad_id: int) -> MicroBatch:
+def dry_rank_batch(template: MicroBatch | None, pad_id: int,
+                   extra_columns: tuple[str, ...] = ()) -> MicroBatch:
     """A one-row micro-batch for a rank whose partitions ran dry (its loss is multiplied by 0):
     the first row of a real micro-batch when this process has seen one, so that a user's loss
-    finds its extra columns; else two pad tokens."""
+    finds its extra columns; else two pad tokens, with zeros in the extra columns."""
     if template is not None:
         extras = {k: v[:1] for k, v in template.extras.items()}
         return MicroBatch(template.partition, template.ids[:1], template.tokens[:1],
                           template.lengths[:1], extras)
     tokens = np.full((1, 2), pad_id, dtype=np.int64)
-    return MicroBatch(-1, np.zeros(1, np.int64), tokens, np.full(1, 2, np.int64))
+    extras = {name: np.zeros(1, np.int64) for name in extra_columns}
+    return MicroBatch(-1, np.zeros(1, np.int64), tokens, np.full(1, 2, np.int64), extras)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,7 @@ class StepSetup:
     exact: ExactGradSum | None = None
     count_targets: bool = False  # the loss counts its own targets (a user's loss_fn)
     pad_id: int = 0
+    extra_columns: tuple[str, ...] = ()  # the data set's columns beyond id/tokens/length
 
 
 def forward_backward(
@@ -173,7 +176,8 @@ def forward_backward(
         # This rank's partitions ran dry in the epoch's last steps: join DDP's all-reduce with a
         # zero gradient, through the user's model and loss (DDP's reducer is prepared as usual).
         with autocast_context(setup.precision, device):
-            loss_sum, _ = model(dry_rank_batch(dry_template, setup.pad_id).to_batch(device))
+            dry = dry_rank_batch(dry_template, setup.pad_id, setup.extra_columns)
+            loss_sum, _ = model(dry.to_batch(device))
         backward(loss_sum * 0.0)
         return total, targets
     for i, mb in enumerate(micro_batches):
@@ -289,6 +293,7 @@ class WorkerEnv(Protocol):
     world_rank: int
     world_size: int
     last_saved_step: int
+    extra_columns: tuple[str, ...]  # the data set's columns beyond id/tokens/length
 
     def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module: ...
     def epoch_rows(self, epoch: int) -> Iterable[dict[str, Any]]: ...
@@ -341,7 +346,8 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     setup = StepSetup(
         device=env.device, world_size=env.world_size, precision=cfg.train.precision,
         grad_clip=cfg.train.grad_clip, seed=cfg.train.seed, scaler=scaler, exact=reducer,
-        count_targets=loss_fn is not None, pad_id=cfg.data.pad_id or 0)
+        count_targets=loss_fn is not None, pad_id=cfg.data.pad_id or 0,
+        extra_columns=env.extra_columns)
     return Training(model, raw_model, optimizer, setup, state)
 
 

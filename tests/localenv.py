@@ -20,7 +20,8 @@ class LocalEnv:
     world_rank, world_size = 0, 1
 
     def __init__(self, files: list[str], extra_columns: tuple[str, ...] = ()) -> None:
-        self.files, self.extra_columns = files, extra_columns
+        self.files = files
+        self.extra_columns = extra_columns
         self.last_saved_step = -1
         self.final: dict[str, Any] | None = None
         self.steps: list[dict[str, Any]] = []

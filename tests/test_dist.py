@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from elastic_train.config import ModelConfig
 from elastic_train.data import pad_rows
-from elastic_train.loop import ExactGradSum, StepSetup, forward_backward
+from elastic_train.loop import ExactGradSum, StepSetup, forward_backward, train_step
 from elastic_train.losses import LossModule
 from elastic_train.model import build_model, token_loss_sum
 
@@ -113,3 +113,65 @@ def test_exact_reduce_is_the_same_to_the_bit_at_any_world_size(tmp_path, world_s
         grads = torch.load(f"{out}.{rank}")
         for name, g in ref.items():
             assert torch.equal(grads[name], g), (rank, name, float((grads[name] - g).abs().max()))
+
+
+def label_loss(model, batch):
+    """A user's loss over an extra column: next-token loss on rows labelled 1 only."""
+    logits = model(batch["tokens"])[:, :-1].float()
+    targets = batch["labels"][:, 1:].masked_fill(batch["label"][:, None] == 0, -100)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             targets.reshape(-1), ignore_index=-100, reduction="sum")
+    return loss, int((targets != -100).sum())
+
+
+def labelled_batch(num_partitions: int):
+    mbs = global_batch(num_partitions, seed=1)
+    for mb in mbs:
+        mb.extras["label"] = (mb.lengths % 2).astype(np.int64)
+    return mbs
+
+
+def user_loss_grads(model, micro_batches, world_size: int, data_targets: float):
+    """`train_step` with a user's loss (it counts its own targets), no clipping: the gradient."""
+    raw = model.module.model if world_size > 1 else model.model
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.0)
+    setup = StepSetup(device=torch.device("cpu"), world_size=world_size, grad_clip=0.0,
+                      count_targets=True, extra_columns=("label",))
+    train_step(model, raw, optimizer, micro_batches, setup=setup, data_targets=data_targets,
+               step=0, lr=0.0)
+    return {n: p.grad.clone() for n, p in raw.named_parameters()}
+
+
+def _user_loss_worker(rank: int, world_size: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    mbs = labelled_batch(4)
+    mine = mbs if rank == 0 else []  # rank 1 is dry and has never seen a batch: zeros for `label`
+    model = torch.nn.parallel.DistributedDataParallel(LossModule(build(), label_loss))
+    grads = user_loss_grads(model, mine, world_size, sum(mb.targets for mb in mbs))
+    torch.save(grads, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_a_user_loss_on_an_extra_column_matches_one_process_with_a_dry_rank(tmp_path):
+    """DDP (train.grad_reduce=ddp): the loss counts fewer targets than the data has, and the dry
+    rank joins the step through that same loss; the gradient is the one-process gradient of
+    (total loss / the loss's own target count)."""
+    out = str(tmp_path / "grads")
+    mp.start_processes(_user_loss_worker, args=(2, str(tmp_path / "init"), out), nprocs=2,
+                       start_method="spawn")
+    mbs = labelled_batch(4)
+    ref = user_loss_grads(LossModule(build(), label_loss), mbs, 1, sum(mb.targets for mb in mbs))
+    model = build()
+    total, count = 0, 0
+    for mb in mbs:
+        loss, n = label_loss(model, mb.to_batch(torch.device("cpu")))
+        total, count = total + loss, count + n
+    (total / count).backward()
+    for name, p in model.named_parameters():  # train_step's rescale against a plain mean
+        torch.testing.assert_close(ref[name], p.grad, rtol=1e-5, atol=1e-7)
+    for rank in range(2):
+        grads = torch.load(f"{out}.{rank}")
+        for name, g in ref.items():
+            rel = (grads[name] - g).norm() / g.norm().clamp_min(1e-12)
+            assert rel < 1e-5, (rank, name, float(rel))
