@@ -11,6 +11,7 @@ that is `losses.py`.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -175,15 +176,24 @@ def build_model(model_cfg: ModelConfig, max_seq_len: int, model_fn: ModelFn | No
         raise ValueError(f"model.name: unknown model {model_cfg.name!r} (known: "
                          f"{', '.join(sorted(MODELS))}, or an import path 'package.module:function')")
     if model_cfg.gradient_checkpointing:
-        enable = getattr(model, "gradient_checkpointing_enable", None)
-        if enable is None:
-            raise ValueError(f"model.gradient_checkpointing: {type(model).__name__} has no "
-                             "gradient_checkpointing_enable()")
-        if model_cfg.name == "hf":
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            enable()
+        enable_gradient_checkpointing(model)
     return model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in backward, non-reentrant (reentrant checkpointing breaks DDP)."""
+    hf_new = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5
+    if hf_new is not None:
+        hf_new(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ValueError(f"model.gradient_checkpointing: {type(model).__name__} has no "
+                         "gradient_checkpointing_enable()")
+    if "gradient_checkpointing_kwargs" in inspect.signature(enable).parameters:  # transformers 4
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        enable()
 
 
 def input_embedding_rows(model: nn.Module) -> int | None:

@@ -1,0 +1,105 @@
+"""The default loss and the model builders on a tiny Hugging Face Llama (no Ray, no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_train.config import ModelConfig
+from elastic_train.losses import _logits_loss_sum, causal_lm_loss, chunked_head_applies, forward, make_batch
+from elastic_train.model import build_model, count_parameters, input_embedding_rows, model_flops_per_token
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory) -> str:
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("llama")
+    LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                tie_word_embeddings=True).save_pretrained(folder)
+    return str(folder)
+
+
+def _batch(vocab: int = 300):
+    torch.manual_seed(1)
+    lengths = torch.tensor([20, 7, 1, 13])
+    tokens = torch.randint(0, vocab, (4, 20))
+    return make_batch(tokens, lengths)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_chunked_loss_equals_the_loss_of_whole_logits(llama_folder):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="hf", path=llama_folder), 64)
+    assert chunked_head_applies(model)
+    batch = _batch()
+    loss, n = causal_lm_loss(model, batch, chunk_tokens=8)  # 4 rows x 2 positions a chunk
+    loss.backward()
+    chunked = _grads(model)
+    model.zero_grad()
+    whole = _logits_loss_sum(forward(model, batch)[:, :-1], batch["labels"][:, 1:], 10**9)
+    whole.backward()
+    assert n == 19 + 6 + 0 + 12
+    torch.testing.assert_close(loss, whole, rtol=1e-6, atol=1e-5)
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(chunked[name], g, rtol=1e-5, atol=1e-6)
+
+
+def test_padding_does_not_change_the_loss(llama_folder):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="hf", path=llama_folder), 64).eval()
+    batch = _batch()
+    garbage = batch["tokens"].clone()
+    garbage[batch["attention_mask"] == 0] = 299
+    with torch.no_grad():
+        a, _ = causal_lm_loss(model, batch)
+        b, _ = causal_lm_loss(model, make_batch(garbage, batch["lengths"]))
+    torch.testing.assert_close(a, b)
+
+
+def test_weights_in_the_folder_are_loaded_and_the_same_seed_builds_the_same_model(llama_folder, tmp_path):
+    cfg = ModelConfig(name="hf", path=llama_folder)
+    torch.manual_seed(3)
+    a = build_model(cfg, 64)
+    torch.manual_seed(3)
+    b = build_model(cfg, 64)
+    for name, t in a.state_dict().items():
+        assert torch.equal(b.state_dict()[name], t), name
+    assert a.dtype == torch.float32 and a.config.use_cache is False
+    assert a.get_output_embeddings().weight is a.get_input_embeddings().weight  # tied
+    a.save_pretrained(tmp_path / "trained")
+    torch.manual_seed(4)  # another seed: only loading the weights gives a's
+    loaded = build_model(ModelConfig(name="hf", path=str(tmp_path / "trained")), 64)
+    for name, t in a.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    with torch.device("meta"):  # the driver's check: shapes only, tied again
+        meta = build_model(ModelConfig(name="hf", path=str(tmp_path / "trained")), 64)
+    assert next(meta.parameters()).is_meta and input_embedding_rows(meta) == 300
+    assert meta.get_output_embeddings().weight is meta.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf"])
+def test_gradient_checkpointing_gives_the_same_gradient(name, llama_folder):
+    extra = {"path": llama_folder} if name == "hf" else {"n_layer": 2, "d_model": 32, "n_head": 2}
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(name=name, gradient_checkpointing=checkpointing, **extra), 64)
+        model.train()
+        causal_lm_loss(model, _batch(256))[0].backward()
+        grads.append(_grads(model))
+    for key, g in grads[0].items():
+        torch.testing.assert_close(grads[1][key], g, rtol=1e-5, atol=1e-7)
+
+
+def test_flops_for_any_model_from_the_parameter_count(llama_folder):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="hf", path=llama_folder), 64)
+    n = count_parameters(model)
+    assert model_flops_per_token(ModelConfig(name="hf"), 64, n) == 6.0 * n
