@@ -27,7 +27,13 @@ from elastic_train.config import Config, num_partitions
 from elastic_train.data import MicroBatch, Prefetcher, iter_rank_steps
 from elastic_train.losses import LossFn, LossModule
 from elastic_train.model import ModelFn, build_model, count_parameters, model_flops_per_token
-from elastic_train.optim import build_optimizer, lr_at, optimizer_state_bytes, set_lr
+from elastic_train.optim import (
+    build_optimizer,
+    lr_at,
+    optimizer_state_bytes,
+    set_lr,
+    training_bytes_per_param,
+)
 from elastic_train.plan import owned_partitions
 
 
@@ -47,6 +53,26 @@ class TrainState:
 
 class NonFiniteError(RuntimeError):
     """Gradients stayed non-finite after a rollback: the run stops and names the batch."""
+
+
+class ModelTooLargeError(RuntimeError):
+    """The model cannot fit the device: the run stops at once (a restart would not help)."""
+
+
+def check_fits_device(model: torch.nn.Module, cfg: Config, device: torch.device) -> None:
+    """On a GPU, refuse a model whose weights, gradients, optimizer state and reduction buffers
+    alone exceed the device's memory (README: "How large a model fits")."""
+    if device.type != "cuda":
+        return
+    per_param = training_bytes_per_param(cfg.optim.name, cfg.train.grad_reduce)
+    needed = count_parameters(model) * per_param
+    total = torch.cuda.get_device_properties(device).total_memory
+    if needed > total:
+        raise ModelTooLargeError(
+            f"model of {count_parameters(model) / 1e9:.2f}B parameters needs {needed / 2**30:.1f} GiB "
+            f"({per_param:.0f} bytes per parameter with optim.name={cfg.optim.name} and "
+            f"train.grad_reduce={cfg.train.grad_reduce}) before activations; the GPU has "
+            f"{total / 2**30:.1f} GiB")
 
 
 def _distributed() -> bool:
@@ -329,6 +355,7 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     torch.manual_seed(cfg.train.seed)
     raw_model = build_model(cfg.model, cfg.data.max_seq_len, model_fn)
     exact = cfg.train.grad_reduce == "exact"
+    check_fits_device(raw_model, cfg, env.device)
     model = env.prepare_model(LossModule(raw_model, loss_fn), ddp=not exact)
     optimizer = build_optimizer(raw_model, cfg.optim, cfg.scaling.use_gpu)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16) if cfg.train.precision == "fp16" else None

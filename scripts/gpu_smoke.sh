@@ -3,7 +3,9 @@
 #   bash scripts/gpu_smoke.sh
 # 1. NCCL DDP + accumulation gradient vs one process, on the GPU (tests/test_dist.py logic, nccl).
 # 2. elastic-train on Ray with 1 GPU worker: fp16 + GradScaler + adamw8bit, then bf16, then a crash
-#    and resume; prints each summary line.
+#    and resume (the resumed worker checks that the restored AdamW / 8-bit state lies on the GPU:
+#    loop.check_state_device fails the run otherwise), then an 8-bit crash/resume and a model too
+#    large for the GPU (refused with one message); prints each summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
@@ -17,9 +19,13 @@ COMMON=(scaling.use_gpu=true scaling.min_workers=1 scaling.max_workers=1 "run.st
 .venv/bin/elastic-train train "${COMMON[@]}" run.name=fp16 train.precision=fp16 optim.name=adamw8bit
 .venv/bin/elastic-train train "${COMMON[@]}" run.name=bf16 train.precision=bf16
 .venv/bin/elastic-train train "${COMMON[@]}" run.name=crash train.precision=bf16 fault.crash_at_step=15
+.venv/bin/elastic-train train "${COMMON[@]}" run.name=crash8 optim.name=adamw8bit fault.crash_at_step=15
+if .venv/bin/elastic-train train "${COMMON[@]}" run.name=huge model.n_layer=48 model.d_model=8192 \
+    model.n_head=64 train.max_steps=2 2>&1 | tee "$STORE/huge.log"; then echo "huge model was not refused"; exit 1; fi
+grep -q "GiB" "$STORE/huge.log"
 $PY - "$STORE" <<'PY'
 import json, sys, pathlib
-for run in ("fp16", "bf16", "crash"):
+for run in ("fp16", "bf16", "crash", "crash8"):
     s = json.loads((pathlib.Path(sys.argv[1]) / run / "summary.json").read_text())
     print(run, {k: s[k] for k in ("status", "steps", "first_loss", "final_loss", "restarts", "skipped_steps")})
 PY

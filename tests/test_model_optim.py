@@ -20,7 +20,13 @@ from elastic_train.model import (
     model_flops_per_token,
     token_loss_sum,
 )
-from elastic_train.optim import build_optimizer, lr_at, optimizer_state_bytes, set_lr
+from elastic_train.optim import (
+    build_optimizer,
+    lr_at,
+    optimizer_state_bytes,
+    set_lr,
+    training_bytes_per_param,
+)
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
@@ -152,3 +158,14 @@ def test_optimizer_state_bytes_per_parameter(name: str, low: float, high: float)
     assert optimizer_state_bytes(optimizer) == 0  # state is allocated lazily, at the first step
     _train(model, optimizer, 1)
     assert low < optimizer_state_bytes(optimizer) / count_parameters(model) < high
+
+
+def test_bytes_per_parameter_table_matches_the_measured_adamw_state() -> None:
+    model = _model()
+    optimizer = build_optimizer(model, OptimConfig(name="adamw"), use_gpu=False)
+    loss, _ = token_loss_sum(model, *_batch())
+    loss.backward()
+    optimizer.step()
+    assert optimizer_state_bytes(optimizer) / count_parameters(model) == pytest.approx(8.0, abs=0.01)
+    assert training_bytes_per_param("adamw", "exact") == 24
+    assert training_bytes_per_param("adamw8bit", "ddp") == 14
