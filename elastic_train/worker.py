@@ -22,9 +22,12 @@ import torch.distributed as dist
 from ray.train import Checkpoint
 from ray.train.v2.api.report_config import CheckpointUploadMode
 
+from elastic_train import raycompat
 from elastic_train.checkpoint import write_checkpoint
 from elastic_train.config import Config, config_from_dict
 from elastic_train.data import iter_parquet_batches, iter_ray_batches
+
+CRASH_COMMIT_WAIT_S = 120.0  # fault hooks: the longest wait for a checkpoint's commit
 
 
 def _gather_from_all(value: Any) -> list[Any]:
@@ -92,7 +95,7 @@ class RayWorkerEnv:
         """Every rank reports (a barrier); rank 0 carries the snapshot, written in the background."""
         if step == self.last_saved_step:
             return
-        self.last_saved_step = step
+        previous, self.last_saved_step = self.last_saved_step, step
         crash = (
             self.cfg.fault.crash_in_checkpoint
             and self.cfg.fault.crash_at_step == step
@@ -104,6 +107,8 @@ class RayWorkerEnv:
             checkpoint = Checkpoint.from_directory(tempfile.mkdtemp(prefix="elastic-train-ckpt-"))
 
             def upload_fn(ckpt: Checkpoint, dir_name: str) -> Checkpoint:
+                if crash:  # the test hook dies mid-write once the checkpoint before is committed
+                    self._wait_for_commit_then_log(previous, step, in_checkpoint=True)
                 write_checkpoint(snap, ckpt.path, crash_midway=crash)
                 storage = ray.train.get_context().get_storage()
                 return storage.persist_current_checkpoint(ckpt, dir_name)
@@ -209,9 +214,29 @@ class RayWorkerEnv:
         if f.crash_in_checkpoint or f.crash_at_step != step or f.crash_rank != self.world_rank:
             return
         if ray.get(self.runlog.claim_fault.remote(f"crash@{step}")):
-            ray.get(self.runlog.log_event.remote({"event": "crash_injected", "step": step,
-                                                  "rank": self.world_rank}))
+            self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False)
             os._exit(1)
+
+    def _wait_for_commit_then_log(self, saved_step: int, step: int, in_checkpoint: bool) -> None:
+        """Before a test hook kills this process: wait (bounded) until the checkpoint saved last
+        (of `saved_step`) is committed, then log the committed step in `crash_injected`.
+
+        A checkpoint written in the background is committed only after the controller's next poll
+        (see raycompat); a crash before that resumes from the one before. Tests inject a crash to
+        check the resume from a known checkpoint, so the hook waits for it instead of racing it."""
+        fs, run_path = raycompat.worker_run_folder()
+        t0 = time.monotonic()
+        if saved_step > 0:
+            committed = raycompat.wait_until_committed(fs, run_path, saved_step, CRASH_COMMIT_WAIT_S)
+        else:
+            committed = raycompat.committed_step(fs, run_path)
+        waited_s = time.monotonic() - t0
+        record = {"event": "crash_injected", "step": step, "rank": self.world_rank,
+                  "in_checkpoint": in_checkpoint, "saved_step": saved_step,
+                  "committed_step": committed, "commit_wait_s": round(waited_s, 3)}
+        if saved_step > 0 and (committed is None or committed < saved_step):
+            record["commit_wait_timed_out"] = True  # crash anyway: the test will see it
+        ray.get(self.runlog.log_event.remote(record))
 
     def maybe_poison_gradient(self, model: torch.nn.Module, step: int) -> None:
         f = self.cfg.fault

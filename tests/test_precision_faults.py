@@ -102,6 +102,10 @@ def test_bf16_with_adamw8bit_trains_and_resumes_exactly(ray_cluster, small_datas
     first = {r["step"]: r["loss"] for r in records if r["attempt"] == 0}
     again = {r["step"]: r["loss"] for r in records if r["attempt"] == 1}
     replayed = sorted(set(first) & set(again))
+    # The crash hook waits for the step-4 checkpoint to be committed before rank 1 dies at step 8.
+    crashes = [e for e in read_jsonl(Path(result.run_dir) / "events.jsonl")
+               if e["event"] == "crash_injected"]
+    assert [(e["step"], e["committed_step"]) for e in crashes] == [(8, 4)], crashes
     assert replayed and replayed[0] == 5  # resumed from the step-4 checkpoint
     # The replayed steps start from the restored model, 8-bit optimizer state and data position:
     # same state, same batches, same bf16 ops and same 2-rank reduction, so the same loss.

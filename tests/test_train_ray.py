@@ -13,6 +13,7 @@ from test_report import LEDGER_PARTS, check_png
 from elastic_train import load_config
 from elastic_train.api import TrainingFailed, train
 from elastic_train.config import ConfigError
+from elastic_train.raycompat import committed_checkpoint_step
 from elastic_train.report import make_report
 
 pytestmark = pytest.mark.ray
@@ -32,6 +33,15 @@ def run(tmp_path, data, name, *extra, storage=None):
 
 def metrics(result) -> list[dict]:
     return [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def crash_event(result) -> dict:
+    """The fault hook's `crash_injected` event: the step it killed and the step then committed."""
+    events = [json.loads(line) for line in (Path(result.run_dir) / "events.jsonl").read_text().splitlines()]
+    crashes = [e for e in events if e["event"] == "crash_injected"]
+    assert len(crashes) == 1, crashes
+    assert not crashes[0].get("commit_wait_timed_out"), crashes[0]
+    return crashes[0]
 
 
 def effective_ids(result) -> dict[tuple[int, int], list[int]]:
@@ -86,6 +96,8 @@ def test_two_worker_run_trains_every_id_once_per_epoch(reference, small_dataset)
     assert s["status"] == "finished" and s["restarts"] == 0 and s["world_sizes"] == [2]
     assert s["final_loss"] < 0.8 * s["first_loss"]
     assert s["padding_efficiency"] > 0.9
+    # Ray's own record of the committed checkpoint (raycompat) names the final one.
+    assert committed_checkpoint_step(reference.run_dir) == s["steps"]
     assert 7.99 < s["optimizer_state_bytes_per_param"] < 8.01  # AdamW: two fp32 moments
     run_dir = Path(reference.run_dir)
     assert (run_dir / "config.yaml").is_file() and (run_dir / "summary.json").is_file()
@@ -119,7 +131,12 @@ def test_hard_crash_resumes_exactly_once_with_the_same_loss(reference, small_dat
     s = crashed.summary
     assert s["status"] == "finished" and s["restarts"] == 1 and s["world_sizes"] == [2, 2]
     first_of_attempt1 = min(r["step"] for r in metrics(crashed) if r["attempt"] == 1)
-    assert 10 - 4 < first_of_attempt1 <= 10 + 1  # lost at most one checkpoint interval
+    # A crash loses exactly the steps since the last committed checkpoint. The hook waits until
+    # the step-8 checkpoint (written in the background) is committed before killing rank 1.
+    crash = crash_event(crashed)
+    assert (crash["step"], crash["rank"], crash["saved_step"]) == (10, 1, 8), crash
+    assert crash["committed_step"] == 8, crash
+    assert first_of_attempt1 == crash["committed_step"] + 1
     assert_same_training(crashed, reference)
     # The run's time ledger and `elastic-train report` on a real restarted run.
     assert s["replayed_steps"] == 10 - (first_of_attempt1 - 1)
@@ -159,6 +176,8 @@ def test_crash_while_writing_checkpoint_loads_the_previous_one(reference, small_
                  "fault.crash_at_step=8", "fault.crash_in_checkpoint=true")
     recs = metrics(result)
     resumed = [r for r in recs if r["attempt"] == 1]
+    crash = crash_event(result)  # rank 0 died writing step 8's files, step 4's being committed
+    assert (crash["step"], crash["in_checkpoint"], crash["committed_step"]) == (8, True, 4), crash
     assert resumed and resumed[0]["step"] == 5  # the step-8 checkpoint never counted
     assert result.summary["restarts"] == 1 and result.summary["status"] == "finished"
     assert_same_training(result, reference)
