@@ -123,6 +123,9 @@ def wait_for_cluster_view(n: int) -> None:
 
 def set_slot_nodes(cluster, n: int) -> None:
     """Exactly n live slot nodes, each with room for one training worker, as the next run sees them."""
+    live = set(live_slot_nodes())
+    for node in [x for x in slot_nodes(cluster) if x.node_id not in live]:
+        cluster.remove_node(node, allow_graceful=False)  # gone by itself (a drained node): forget it
     while len(slot_nodes(cluster)) > n:
         cluster.remove_node(removable_slot_node(cluster), allow_graceful=True)
     for _ in range(n - len(slot_nodes(cluster))):
