@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 
 from elastic_train.api import resolve_dataset
+from elastic_train.blocks import local_rank_steps
 from elastic_train.config import load_config, num_partitions
-from elastic_train.data import iter_parquet_batches, iter_rank_steps
 from elastic_train.loop import StepSetup, all_reduce_sum, train_step
 from elastic_train.losses import LossModule
 from elastic_train.model import build_model
 from elastic_train.optim import build_optimizer, lr_at
-from elastic_train.plan import owned_partitions
+from elastic_train.plan import StreamSpec, owned_partitions
 
 
 def allreduce_bandwidth_gbps(numel: int, repeats: int = 5) -> float | None:
@@ -64,16 +64,14 @@ def main() -> None:
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     k = num_partitions(cfg)
-    steps = iter_rank_steps(
-        iter_parquet_batches(files), partitions=owned_partitions(rank, world, k), num_partitions=k,
-        micro_batch_tokens=cfg.data.micro_batch_tokens, shuffle_window=cfg.data.shuffle_window,
-        seed=cfg.data.seed, epoch=0, bucketing=cfg.data.bucketing,
-    )
+    spec = StreamSpec(k, cfg.data.micro_batch_tokens, cfg.data.shuffle_window, cfg.data.seed,
+                      cfg.data.bucketing)
+    steps = local_rank_steps(files, spec, partitions=owned_partitions(rank, world, k))
     device = torch.device("cpu")
     setup = StepSetup(device=device, world_size=world, grad_clip=cfg.train.grad_clip)
     times, tokens = [], []
     for step in range(args.steps):
-        mbs = next(steps)
+        mbs = next(steps, [])  # [] once this rank is dry: it still joins the all-reduce
         n, targets, real, _ = all_reduce_sum(
             [len(mbs), sum(m.targets for m in mbs), sum(m.real_tokens for m in mbs),
              sum(m.padded_tokens for m in mbs)], device)

@@ -32,13 +32,15 @@ from pathlib import Path
 
 import torch
 
+from elastic_train.blocks import local_rank_steps
 from elastic_train.checkpoint import snapshot, write_checkpoint
 from elastic_train.config import Config, ModelConfig, OptimConfig
-from elastic_train.data import MicroBatch, iter_parquet_batches, iter_rank_steps
+from elastic_train.data import MicroBatch
 from elastic_train.loop import StepSetup, TrainState, train_step
 from elastic_train.losses import LossModule
 from elastic_train.model import build_model, count_parameters
 from elastic_train.optim import build_optimizer, optimizer_state_bytes
+from elastic_train.plan import StreamSpec
 from elastic_train.prepare import default_corpus_dir, inspect_dataset
 
 MAX_SEQ_LEN = 512
@@ -53,11 +55,8 @@ MODELS = {"default": ModelConfig(), "d512_l4": ModelConfig(d_model=512, n_layer=
 def global_steps(n: int) -> list[list[MicroBatch]]:
     """The first `n` global steps of the corpus at world size 1: 8 micro-batches each."""
     files = inspect_dataset(str(default_corpus_dir(MAX_SEQ_LEN))).files
-    stream = iter_rank_steps(
-        iter_parquet_batches(files), partitions=list(range(NUM_PARTITIONS)),
-        num_partitions=NUM_PARTITIONS, micro_batch_tokens=MICRO_BATCH_TOKENS,
-        shuffle_window=1024, seed=0, epoch=0,
-    )
+    stream = local_rank_steps(files, StreamSpec(NUM_PARTITIONS, MICRO_BATCH_TOKENS, 1024, seed=0),
+                              partitions=list(range(NUM_PARTITIONS)))
     return [next(stream) for _ in range(n)]
 
 

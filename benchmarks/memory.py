@@ -1,7 +1,7 @@
 """Memory benchmark: the data stream's peak memory does not grow with dataset size nor with epochs.
 
 Each case runs in a fresh subprocess, so every peak is its own. The child streams whole epochs
-through `iter_rank_steps(iter_parquet_batches(files), ...)` as rank 0 of 2 (default plan: K = 8,
+through `blocks.local_rank_steps(files, ...)` as rank 0 of 2 (default plan: K = 8,
 micro_batch_tokens 2048, shuffle_window 1024), dropping each step as a training loop would, and
 records:
 - ru_maxrss (resource.getrusage), the process's peak resident memory, and its rise above the
@@ -63,8 +63,8 @@ def child(dataset: str, epochs: int, trace: bool) -> None:
     import pandas  # noqa: F401  (pyarrow imports it on the first batch: keep that out of the peaks)
     import pyarrow as pa
 
-    from elastic_train.data import iter_parquet_batches, iter_rank_steps
-    from elastic_train.plan import owned_partitions
+    from elastic_train.blocks import local_rank_steps
+    from elastic_train.plan import StreamSpec, owned_partitions
     from elastic_train.prepare import inspect_dataset
 
     info = inspect_dataset(dataset)
@@ -79,12 +79,8 @@ def child(dataset: str, epochs: int, trace: bool) -> None:
         if trace:
             tracemalloc.reset_peak()
         steps = rows = real = 0
-        for step in iter_rank_steps(
-            iter_parquet_batches(info.files), partitions=partitions, num_partitions=NUM_PARTITIONS,
-            micro_batch_tokens=MICRO_BATCH_TOKENS, shuffle_window=SHUFFLE_WINDOW, seed=0, epoch=epoch,
-        ):
-            if not step:  # this rank's partitions are exhausted: its epoch is over
-                break
+        spec = StreamSpec(NUM_PARTITIONS, MICRO_BATCH_TOKENS, SHUFFLE_WINDOW, seed=0)
+        for step in local_rank_steps(info.files, spec, partitions=partitions, epoch=epoch):
             steps += 1
             rows += sum(len(mb.ids) for mb in step)
             real += sum(mb.real_tokens for mb in step)

@@ -22,12 +22,13 @@ import time
 import numpy as np
 import torch
 
+from elastic_train.blocks import local_rank_steps
 from elastic_train.config import ModelConfig
-from elastic_train.data import MicroBatch, iter_parquet_batches, iter_rank_steps
+from elastic_train.data import MicroBatch, iter_parquet_batches
 from elastic_train.loop import StepSetup, forward_backward
 from elastic_train.losses import LossModule
 from elastic_train.model import build_model
-from elastic_train.plan import owned_partitions
+from elastic_train.plan import StreamSpec, owned_partitions
 from elastic_train.prepare import default_corpus_dir, inspect_dataset
 
 MAX_SEQ_LEN = 512
@@ -41,19 +42,9 @@ MODES = {"bucketed": True, "random": False}
 
 def rank_steps(files: list[str], world_rank: int, bucketing: bool):
     """This rank's steps of epoch 0, ending at its first empty step."""
-    for step in iter_rank_steps(
-        iter_parquet_batches(files),
-        partitions=owned_partitions(world_rank, WORLD_SIZE, NUM_PARTITIONS),
-        num_partitions=NUM_PARTITIONS,
-        micro_batch_tokens=MICRO_BATCH_TOKENS,
-        shuffle_window=SHUFFLE_WINDOW,
-        seed=SEED,
-        epoch=0,
-        bucketing=bucketing,
-    ):
-        if not step:
-            return
-        yield step
+    spec = StreamSpec(NUM_PARTITIONS, MICRO_BATCH_TOKENS, SHUFFLE_WINDOW, SEED, bucketing)
+    yield from local_rank_steps(files, spec, partitions=owned_partitions(world_rank, WORLD_SIZE,
+                                                                          NUM_PARTITIONS))
 
 
 def epoch_padding(files: list[str], bucketing: bool) -> dict[str, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -26,8 +27,17 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastic_train.blocks import BlockTable, build_block_table, check_blocks
 from elastic_train.checkpoint import MANIFEST, model_signature, signature_mismatch
-from elastic_train.config import Config, ConfigError
+from elastic_train.checks import (
+    IDENTITY_FILE,
+    check_gpu,
+    check_sample_ids,
+    check_storage,
+    data_identity,
+    identity_change,
+)
+from elastic_train.config import Config, ConfigError, check_run_name, num_partitions, validate
 from elastic_train.losses import LossFn
 from elastic_train.model import BYTE_VOCAB, ModelFn, build_model, input_embedding_rows
 from elastic_train.nodewatch import NodeWatcher
@@ -53,6 +63,7 @@ def resolve_dataset(cfg: Config) -> DatasetInfo:
     path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
     try:
         info = inspect_dataset(path)
+        check_sample_ids(info)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"data.path: {exc}") from None
     if info.max_length > cfg.data.max_seq_len:
@@ -66,6 +77,7 @@ def resolve_dataset(cfg: Config) -> DatasetInfo:
 
 def run_uri(cfg: Config) -> str:
     """`<run.storage_path>/<run.name>`, absolute for a local folder."""
+    check_run_name(cfg.run.name)  # the run folder lies inside storage_path, whatever built cfg
     storage = cfg.run.storage_path
     if "://" not in storage:
         storage = os.path.abspath(os.path.expanduser(storage))
@@ -76,15 +88,22 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     """Every check that needs no cluster: the dataset, the model (built once on the meta device:
     shapes only), their fit, storage, the checkpoint to resume. Fills in what the config leaves
     to the data set (`model.vocab_size`, `data.pad_id`), so the resolved config says it."""
+    validate(cfg)  # again: a Config built in Python has not been through load_config
+    check_gpu(cfg)
     info = resolve_dataset(cfg)
     if cfg.data.pad_id is None:
         cfg.data.pad_id = info.pad_id if info.pad_id is not None else 0
     if cfg.model.vocab_size is None and cfg.model.name != "hf":
         # a tokenizer may report fewer tokens than its largest id: the larger of the two
         cfg.model.vocab_size = max(info.vocab_size or 0, (info.max_token_id or -1) + 1) or BYTE_VOCAB
+    try:
+        check_blocks(dataset_blocks(info), num_partitions(cfg), info.path)
+    except ValueError as exc:
+        raise ConfigError(f"data.path: {exc}") from None
     model = build_meta_model(cfg, model_fn)
     check_model_fits_data(cfg, info, model)
-    check_resumable(cfg, model_signature(model))
+    check_storage(cfg)
+    check_resumable(cfg, model_signature(model), info)
     return info
 
 
@@ -112,6 +131,11 @@ def check_model_fits_data(cfg: Config, info: DatasetInfo, model: torch.nn.Module
                           f"max_position_embeddings ({positions})")
 
 
+def dataset_blocks(info: DatasetInfo) -> BlockTable:
+    """The data set's blocks (row groups), from the Parquet footers; workers open `_uri`s."""
+    return build_block_table(info.filesystem, info.files, [_uri(info, f) for f in info.files])
+
+
 def extra_columns(info: DatasetInfo) -> tuple[str, ...]:
     """Numeric columns of the data set beyond id/tokens/length (e.g. `label`): they reach the
     loss in the batch. `source` and `offset` (written by prepare) are left out."""
@@ -125,10 +149,12 @@ def extra_columns(info: DatasetInfo) -> tuple[str, ...]:
     return tuple(f.name for f in schema if f.name not in skip and numeric(f.type))
 
 
-def check_resumable(cfg: Config, ours: dict[str, list[int]]) -> None:
+def check_resumable(cfg: Config, ours: dict[str, list[int]], info: DatasetInfo | None = None) -> None:
     """If the run folder holds checkpoints, the newest complete one must fit the configured model
-    (signature `ours`): refused here, before Ray starts, with the run folder left as it was. (The
-    worker checks the checkpoint Ray hands it again, in case one appears meanwhile.)"""
+    (signature `ours`) and, given `info`, have been trained on the same data identity (path, seed,
+    partition count, shards; see checks.py) unless data.on_change=keep_position: refused here,
+    before Ray starts, with the run folder left as it was. (The worker checks the checkpoint Ray
+    hands it again, in case one appears meanwhile.)"""
     fs, folder, _ = split_uri(run_uri(cfg))
     if fs.get_file_info(folder).type != pafs.FileType.Directory:
         return
@@ -139,17 +165,63 @@ def check_resumable(cfg: Config, ours: dict[str, list[int]]) -> None:
         directory = f"{folder}/{name}"
         if fs.get_file_info(f"{directory}/{MANIFEST}").type != pafs.FileType.File:
             continue  # incomplete: never loaded
-        with fs.open_input_stream(f"{directory}/state.json") as f:
-            state = json.loads(f.read())
+        state = _read_json(fs, f"{directory}/state.json", "checkpoint file")
+        if not (isinstance(state, dict) and isinstance(state.get("config"), dict)
+                and isinstance(state.get("model_signature"), dict)):
+            raise ConfigError(f"checkpoint file '{directory}/state.json' is corrupt: not the state "
+                              "of a checkpoint")
         mismatch = signature_mismatch(state, ours)
         if mismatch:
             raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} {mismatch}; use "
                               f"another run.name, or the model config it was trained with")
+        if info is not None:
+            _check_same_data(cfg, info, state, fs, folder, name)
         return
 
 
+def _read_json(fs: pafs.FileSystem, path: str, what: str):
+    """A JSON file's content, or a ConfigError naming the file."""
+    try:
+        with fs.open_input_stream(path) as f:
+            return json.loads(f.read())
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError and UnicodeDecodeError too
+        raise ConfigError(f"{what} '{path}' is corrupt or unreadable: {exc}") from None
+
+
+def _check_same_data(cfg: Config, info: DatasetInfo, state: dict, fs: pafs.FileSystem,
+                     folder: str, name: str) -> None:
+    """The checkpoint's data position means the same rows now: same data identity."""
+    current = data_identity(cfg, info)
+    data = state["config"].get("data")
+    data = data if isinstance(data, dict) else {}
+    saved = {"seed": data["seed"]} if isinstance(data.get("seed"), int) else {}
+    if data.get("global_batch_tokens") and data.get("micro_batch_tokens"):
+        saved["partitions"] = data["global_batch_tokens"] // data["micro_batch_tokens"]
+    path = data.get("path")
+    if isinstance(path, str) and ("://" in path or os.path.isabs(path)):
+        saved["path"] = path.rstrip("/")  # a relative one depended on that run's working folder
+    identity_path = f"{folder}/{IDENTITY_FILE}"
+    if fs.get_file_info(identity_path).type == pafs.FileType.File:
+        recorded = _read_json(fs, identity_path, "run file")
+        saved.update(recorded if isinstance(recorded, dict) else {})
+    change = identity_change(saved, current)
+    if change is None:
+        return
+    if cfg.data.on_change == "keep_position":
+        logger.warning("run %s: resuming checkpoint %s at its data position although %s "
+                       "(data.on_change=keep_position)", cfg.run.name, name, change)
+        return
+    raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} was trained on other data: "
+                      f"{change}; its data position would mean other rows. Use another run.name, "
+                      "the data it was trained on, or data.on_change=keep_position to resume anyway")
+
+
 def init_ray(cfg: Config) -> bool:
-    """Join the cluster of run.address / RAY_ADDRESS, or start a local one; True if started here."""
+    """Join the cluster of run.address / RAY_ADDRESS, or start a local one; True if started here.
+
+    A local cluster's every process gets RAY_ADDRESS set to it (its GCS port chosen here), so that
+    Ray's own helpers that look a cluster up (Train's placement-group cleaner, the state API)
+    find this one even when other Ray clusters run on the machine."""
     # The Train controller inherits these from the driver's environment.
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.scaling.health_check_interval_s)
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(
@@ -161,13 +233,44 @@ def init_ray(cfg: Config) -> bool:
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
+        _check_cluster_gpus(cfg)
         return False
     workers_cpus = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
     # Ray Data's read tasks need CPUs beyond the workers' or they wait forever.
     num_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(workers_cpus) + 2)
-    ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1",
-             runtime_env={"env_vars": {"PYTHONPATH": driver_pythonpath()}})
+    for attempt in range(2):  # the chosen port may be taken before the GCS binds it
+        port = _free_port()
+        saved = os.environ.get("RAY_GCS_SERVER_PORT")
+        os.environ["RAY_GCS_SERVER_PORT"] = str(port)
+        try:
+            env_vars = {"PYTHONPATH": driver_pythonpath(), "RAY_ADDRESS": f"127.0.0.1:{port}"}
+            ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1",
+                     runtime_env={"env_vars": env_vars})
+            return True
+        except (ConnectionError, RuntimeError):
+            if attempt:
+                raise
+            ray.shutdown()
+        finally:
+            if saved is None:
+                os.environ.pop("RAY_GCS_SERVER_PORT", None)
+            else:
+                os.environ["RAY_GCS_SERVER_PORT"] = saved
     return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_cluster_gpus(cfg: Config) -> None:
+    """scaling.use_gpu on a cluster that has no GPU now: said before the trainer waits for one.
+    A warning, not an error: an autoscaler (cluster.yaml) may still be adding GPU nodes."""
+    if cfg.scaling.use_gpu and not ray.cluster_resources().get("GPU", 0):
+        logger.warning("scaling.use_gpu=true but the cluster has no GPU yet; the run waits until "
+                       "an autoscaler adds GPU nodes (or forever, if none will)")
 
 
 def ship_by_value(fn) -> None:
@@ -201,24 +304,13 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
     resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
     if s.use_gpu:
         resources["GPU"] = 1
-    datasets, dataset_config = {}, None
-    if cfg.data.reader == "ray_data":
-        local = isinstance(info.filesystem, pafs.LocalFileSystem)
-        datasets["train"] = ray.data.read_parquet(
-            info.files, filesystem=None if local else info.filesystem,
-            columns=["id", "tokens", "length"], shuffle=None,
-        )
-        options = ray.data.DataContext.get_current().execution_options
-        options.preserve_order = True  # every worker must see the rows in the same order
-        # Not split: each worker keeps the rows of its canonical partitions (plan.py).
-        dataset_config = ray.train.DataConfig(datasets_to_split=[], execution_options=options)
     storage = cfg.run.storage_path
     if "://" not in storage:
         storage = os.path.abspath(os.path.expanduser(storage))
     return TorchTrainer(
         train_loop_per_worker=train_worker,
         train_loop_config={"config": cfg.to_dict(), "runlog": runlog,
-                           "files": [_uri(info, f) for f in info.files],
+                           "block_table": dataset_blocks(info),
                            "extra_columns": extra_columns(info), "model_fn": model_fn,
                            "loss_fn": loss_fn},
         scaling_config=ScalingConfig(
@@ -230,8 +322,6 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
             failure_config=FailureConfig(max_failures=s.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
         ),
-        datasets=datasets,
-        dataset_config=dataset_config,
     )
 
 
@@ -263,6 +353,9 @@ def save_config(cfg: Config, runlog) -> None:
             logger.warning("run %s: config differs from the saved one; kept it as config.%s.yaml",
                            cfg.run.name, stamp)
     ray.get(runlog.write_file.remote("config.yaml", text))
+    path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
+    identity = data_identity(cfg, inspect_dataset(path))  # what check_resumable compares with
+    ray.get(runlog.write_file.remote(IDENTITY_FILE, json.dumps(identity, indent=2)))
 
 
 def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None = None,

@@ -37,6 +37,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from elastic_train.prepare import prepare
 
     stats = prepare(args.inputs, args.output, max_seq_len=args.max_seq_len, seed=args.seed,
+                    rows_per_block=args.rows_per_block,
                     tokenizer=args.tokenizer, text_field=args.text_field)
     print(json.dumps(stats))
     return 0
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="folder for the shards (must hold none yet)")
     p.add_argument("--max-seq-len", type=int, default=512, help="longest row, in tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the row shuffle")
+    p.add_argument("--rows-per-block", type=int, default=128,
+                   help="rows per Parquet row group, the unit a training rank reads alone")
     p.add_argument("--tokenizer", default=None,
                    help="a tokenizer.json, or a folder a transformers tokenizer loads "
                         "(default: UTF-8 bytes)")

@@ -8,6 +8,7 @@ Any problem raises `ConfigError` with one message that names the culprit.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class DataConfig:
     prefetch_steps: int = 2  # steps assembled ahead of the loop by a background thread
     pad_id: int | None = None  # token that pads rows; None: the data set's tokenizer pad id, else 0
     reader: str = "pyarrow"  # pyarrow: each worker streams the shards itself; ray_data: Ray Data
+    # resuming a run whose data identity (path, seed, partitions, shards) differs from its
+    # checkpoint's: refuse | keep_position (resume at the saved (epoch, step) of the other data)
+    on_change: str = "refuse"
 
 
 @dataclass
@@ -223,7 +227,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
     for part in parts[:-1]:
-        child = node.setdefault(part, {})
+        child = node.get(part)
+        if child is None:  # an absent or empty section
+            child = node[part] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"override '{dotted}': '{part}' is not a section")
         node = child
@@ -238,7 +244,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override '{text}': value is not valid YAML ({exc})") from None
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"override '{text}': value is not valid YAML ({detail})") from None
     return key.strip(), value
 
 
@@ -247,12 +254,21 @@ def load_config(
 ) -> Config:
     """Load a config file (None: the embedded default), apply overrides, validate."""
     source = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    if not str(path if path is not None else source).strip():
+        raise ConfigError("--config: an empty path")
+    if source.is_dir():
+        raise ConfigError(f"config file '{source}' is a folder, not a YAML file")
     if not source.is_file():
         raise ConfigError(f"config file '{source}' does not exist")
     try:
-        tree = yaml.safe_load(source.read_text()) or {}
+        tree = yaml.safe_load(source.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file '{source}' is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"config file '{source}' cannot be read: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file '{source}' is not valid YAML: {exc}") from None
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"config file '{source}' is not valid YAML: {detail}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"config file '{source}': top level must be a mapping")
     items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
@@ -275,17 +291,109 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def check_run_name(name: str) -> None:
+    """`run.name` is one plain folder name: the run folder must lie inside run.storage_path."""
+    plain = (bool(name) and name.strip() == name and name not in (".", "..")
+             and not any(c in name for c in "/\\\0") and len(name.encode()) <= 255
+             and name.isprintable())
+    _require(plain, f"run.name must be a plain folder name (no '/', not '.' or '..', no "
+                    f"surrounding spaces), got {name!r}")
+
+
+def _finite_floats(node: Any, prefix: str) -> None:
+    """Every float in the config is finite: inf or nan can never be a useful setting."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(value):
+            _finite_floats(value, f.name)
+        elif isinstance(value, float):
+            _require(math.isfinite(value), f"{key} must be a finite number, got {value}")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _require(not isinstance(v, float) or math.isfinite(v),
+                         f"{key}.{k} must be a finite number, got {v}")
+
+
+def _at_least(key: str, value: float | None, low: float, *, strict: bool = False) -> None:
+    if value is None:
+        return
+    ok = value > low if strict else value >= low
+    _require(ok, f"{key} must be {'>' if strict else '>='} {low:g}, got {value}")
+
+
 def validate(cfg: Config) -> None:
-    """Cross-field checks that need no data and no cluster."""
+    """Every value's range and every cross-field rule that needs no data and no cluster."""
     s, d, t, o = cfg.scaling, cfg.data, cfg.train, cfg.optim
-    _require(bool(cfg.run.name) and "/" not in cfg.run.name, f"run.name: invalid {cfg.run.name!r}")
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section):
+            _finite_floats(section, f.name)
+    check_run_name(cfg.run.name)
+    _require(bool(cfg.run.storage_path.strip()), "run.storage_path: an empty path")
+    _require(cfg.run.address is None or bool(cfg.run.address.strip()), "run.address: empty")
+    _at_least("run.num_cpus", cfg.run.num_cpus, 1)
+    _validate_scaling(s)
+    _validate_data(d, s)
+    _require(t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}")
+    _require(t.epochs >= 1, f"train.epochs must be >= 1, got {t.epochs}")
+    _require(
+        t.precision in ("fp32", "bf16", "fp16"),
+        f"train.precision must be fp32, bf16 or fp16, got {t.precision!r}",
+    )
+    _require(
+        t.grad_reduce in ("exact", "ddp"),
+        f"train.grad_reduce must be exact or ddp, got {t.grad_reduce!r}",
+    )
+    _require(
+        t.precision != "fp16" or s.use_gpu,
+        "train.precision=fp16 needs scaling.use_gpu=true (fp16 autocast and GradScaler are "
+        "GPU features); use bf16 on CPU",
+    )
+    _require(t.max_consecutive_skips >= 1, "train.max_consecutive_skips must be >= 1")
+    _at_least("train.grad_clip", t.grad_clip, 0)
+    _at_least("train.seed", t.seed, 0)
+    _require(o.name in ("adamw", "adamw8bit"), f"optim.name must be adamw or adamw8bit, got {o.name!r}")
+    _require(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+    _at_least("optim.weight_decay", o.weight_decay, 0)
+    for key, beta in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        _require(0 <= beta < 1, f"{key} must be in [0, 1), got {beta}")
+    _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    _require(cfg.checkpoint.every_steps >= 0,
+             f"checkpoint.every_steps must be >= 0, got {cfg.checkpoint.every_steps}")
+    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
+    _validate_model(cfg.model)
+    _validate_fault(cfg.fault, s)
+    _require(
+        cfg.log.progress in ("auto", "bar", "lines", "none"),
+        f"log.progress must be auto, bar, lines or none, got {cfg.log.progress!r}",
+    )
+    _at_least("log.print_every_steps", cfg.log.print_every_steps, 1)
+    _at_least("log.peak_flops", cfg.log.peak_flops, 0, strict=True)
+
+
+def _validate_scaling(s: ScalingConfig) -> None:
     _require(s.min_workers >= 1, f"scaling.min_workers must be >= 1, got {s.min_workers}")
     _require(
         s.max_workers >= s.min_workers,
         f"scaling.min_workers ({s.min_workers}) > scaling.max_workers ({s.max_workers})",
     )
-    _require(s.cpus_per_worker > 0, "scaling.cpus_per_worker must be > 0")
-    _require(s.max_failures >= -1, "scaling.max_failures must be >= -1")
+    _at_least("scaling.cpus_per_worker", s.cpus_per_worker, 0, strict=True)
+    _require(s.max_failures >= -1, f"scaling.max_failures must be >= -1, got {s.max_failures}")
+    for key in ("health_check_interval_s", "worker_group_start_timeout_s",
+                "resize_monitor_interval_s", "preemption_poll_interval_s"):
+        _at_least(f"scaling.{key}", getattr(s, key), 0, strict=True)
+    _at_least("scaling.torch_threads", s.torch_threads, 1)
+    for name, amount in s.resources_per_worker.items():
+        _require(name not in ("CPU", "GPU"), f"scaling.resources_per_worker.{name}: set it with "
+                 f"scaling.{'cpus_per_worker' if name == 'CPU' else 'use_gpu'} instead")
+        _at_least(f"scaling.resources_per_worker.{name}", amount, 0, strict=True)
+
+
+def _validate_data(d: DataConfig, s: ScalingConfig) -> None:
+    _require(d.path is None or bool(d.path.strip()), "data.path: an empty path (null: the "
+                                                     "embedded corpus)")
+    _at_least("data.seed", d.seed, 0)
     _require(d.max_seq_len >= 2, f"data.max_seq_len must be >= 2, got {d.max_seq_len}")
     _require(
         d.micro_batch_tokens >= d.max_seq_len,
@@ -304,38 +412,22 @@ def validate(cfg: Config) -> None:
         f"scaling.max_workers ({s.max_workers}): it holds {partitions} micro-batches of "
         f"data.micro_batch_tokens ({d.micro_batch_tokens}); it needs at least one per worker",
     )
-    _require(s.preemption_poll_interval_s > 0, "scaling.preemption_poll_interval_s must be > 0")
-    _require(d.shuffle_window >= 1, "data.shuffle_window must be >= 1")
-    _require(d.prefetch_steps >= 1, "data.prefetch_steps must be >= 1")
+    _require(d.shuffle_window >= 1, f"data.shuffle_window must be >= 1, got {d.shuffle_window}")
+    _require(d.prefetch_steps >= 1, f"data.prefetch_steps must be >= 1, got {d.prefetch_steps}")
+    _at_least("data.pad_id", d.pad_id, 0)
     _require(d.reader in ("pyarrow", "ray_data"),
              f"data.reader must be pyarrow or ray_data, got {d.reader!r}")
-    _require(t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}")
-    _require(t.epochs >= 1, f"train.epochs must be >= 1, got {t.epochs}")
-    _require(
-        t.precision in ("fp32", "bf16", "fp16"),
-        f"train.precision must be fp32, bf16 or fp16, got {t.precision!r}",
-    )
-    _require(
-        t.grad_reduce in ("exact", "ddp"),
-        f"train.grad_reduce must be exact or ddp, got {t.grad_reduce!r}",
-    )
-    _require(
-        t.precision != "fp16" or s.use_gpu,
-        "train.precision=fp16 needs scaling.use_gpu=true (fp16 autocast and GradScaler are "
-        "GPU features); use bf16 on CPU",
-    )
-    _require(t.max_consecutive_skips >= 1, "train.max_consecutive_skips must be >= 1")
-    _require(o.name in ("adamw", "adamw8bit"), f"optim.name must be adamw or adamw8bit, got {o.name!r}")
-    _require(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
-    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio must be in [0, 1]")
-    _require(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
-    _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0")
-    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
-    _validate_model(cfg.model)
-    _require(
-        cfg.log.progress in ("auto", "bar", "lines", "none"),
-        f"log.progress must be auto, bar, lines or none, got {cfg.log.progress!r}",
-    )
+    _require(d.on_change in ("refuse", "keep_position"),
+             f"data.on_change must be refuse or keep_position, got {d.on_change!r}")
+
+
+def _validate_fault(f: FaultConfig, s: ScalingConfig) -> None:
+    for key in ("crash_at_step", "nan_at_step"):
+        _at_least(f"fault.{key}", getattr(f, key), 1)
+    for key in ("crash_rank", "nan_rank"):
+        rank = getattr(f, key)
+        _require(0 <= rank < s.max_workers, f"fault.{key} ({rank}) must be a worker rank, in "
+                                            f"[0, scaling.max_workers={s.max_workers})")
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -348,6 +440,7 @@ def _validate_model(m: ModelConfig) -> None:
     if m.name == "gpt":
         _require(m.n_layer >= 1, f"model.n_layer must be >= 1, got {m.n_layer}")
         _require(m.n_head >= 1, f"model.n_head must be >= 1, got {m.n_head}")
+        _require(m.d_model >= 1, f"model.d_model must be >= 1, got {m.d_model}")
         _require(m.d_model % m.n_head == 0,
                  f"model.d_model ({m.d_model}) is not divisible by model.n_head ({m.n_head})")
         _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")

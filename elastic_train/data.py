@@ -1,10 +1,8 @@
-"""Worker-side data stream: rows in read order -> this rank's padded micro-batches, step by step.
+"""Worker-side data: padded micro-batches, Arrow columns to numpy, and the prefetch thread.
 
-The rows come from Ray Data (`ray.train.get_dataset_shard`, every worker iterating the whole dataset
-in a fixed order) or, in tests and benchmarks, straight from Parquet with pyarrow. Either way each
-rank keeps only the rows of its canonical partitions (see `plan.py`), so the steps it produces are
-the same whatever the world size, and a restart mid-epoch skips exactly the steps already trained.
-A background thread assembles steps ahead of the loop; the loop's wait for one is `data_wait_s`.
+`MicroBatch` is what the loop trains on (`to_batch` gives the tensors a model and loss see). Which
+rows make each micro-batch is decided by `plan.py` and read by `blocks.py`. A background thread
+(`Prefetcher`) assembles steps ahead of the loop; the loop's wait for one is `data_wait_s`.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +21,6 @@ import pyarrow.parquet as pq
 import torch
 
 from elastic_train.losses import make_batch
-from elastic_train.plan import StepAssembler, partition_of
 
 ROW_BATCH_SIZE = 1024  # rows per batch read from the source; any value gives the same steps
 
@@ -84,54 +81,12 @@ def pad_rows(rows: list[tuple], partition: int, pad_id: int = 0,
     return MicroBatch(partition, ids, tokens, lengths, extras)
 
 
-def iter_rank_steps(
-    batches: Iterable[dict[str, np.ndarray]],
-    *,
-    partitions: list[int],
-    num_partitions: int,
-    micro_batch_tokens: int,
-    shuffle_window: int,
-    seed: int,
-    epoch: int,
-    bucketing: bool = True,
-    start_step: int = 0,
-    pad_id: int = 0,
-) -> Iterator[list[MicroBatch]]:
-    """This rank's micro-batches for each step of one epoch, from `start_step` on.
-
-    `batches` yields dicts with `id`, `tokens` (object array of int arrays) and `length`, in the
-    same order on every rank and every attempt; any other key is an extra column, carried to the
-    micro-batches' `extras`. After this rank's partitions run dry it yields
-    empty steps forever: the epoch ends when the loop sees that every rank's step is empty.
-    """
-    assembler = StepAssembler(
-        partitions,
-        micro_batch_tokens=micro_batch_tokens,
-        shuffle_window=shuffle_window,
-        seed=seed,
-        epoch=epoch,
-        bucketing=bucketing,
-        start_step=start_step,
-    )
-    owned = np.zeros(num_partitions, dtype=bool)
-    owned[partitions] = True
-    extra_columns: tuple[str, ...] = ()
-    for batch in batches:
-        ids = np.asarray(batch["id"], dtype=np.int64)
-        part = partition_of(ids, num_partitions)
-        tokens, lengths = batch["tokens"], batch["length"]
-        extra_columns = tuple(name for name in batch if name not in ("id", "tokens", "length"))
-        extras = [batch[name] for name in extra_columns]
-        for i in np.flatnonzero(owned[part]):
-            row = (int(ids[i]), tokens[i], tuple(column[i] for column in extras))
-            assembler.add(int(part[i]), row, int(lengths[i]))
-        for step in assembler.pop_steps():
-            yield [pad_rows(mb.rows, mb.partition, pad_id, extra_columns) for mb in step]
-    assembler.finish()
-    for step in assembler.pop_steps():
-        yield [pad_rows(mb.rows, mb.partition, pad_id, extra_columns) for mb in step]
-    while True:
-        yield []
+def stack_rows(columns: dict[str, Any], rows: np.ndarray, partition: int, pad_id: int = 0) -> MicroBatch:
+    """The micro-batch of rows `rows` of a window's `columns` (see `arrow_to_columns`)."""
+    extra = tuple(name for name in columns if name not in ("id", "tokens", "length"))
+    tokens, extras = columns["tokens"], [columns[name] for name in extra]
+    picked = [(int(columns["id"][i]), tokens[i], tuple(c[i] for c in extras)) for i in rows]
+    return pad_rows(picked, partition, pad_id, extra)
 
 
 def _list_views(column) -> list[np.ndarray]:
@@ -170,15 +125,6 @@ def iter_parquet_batches(files: list[str], extra_columns: tuple[str, ...] = ()) 
             pf = pq.ParquetFile(path)
         for rb in pf.iter_batches(batch_size=ROW_BATCH_SIZE, columns=columns):
             yield arrow_to_columns(rb, extra_columns)
-
-
-def iter_ray_batches(data_iterator, extra_columns: tuple[str, ...] = (),
-                     prefetch_batches: int = 2) -> Iterator[dict[str, Any]]:
-    """Rows of a Ray Data shard (a `DataIterator`), in the dataset's preserved order."""
-    for table in data_iterator.iter_batches(
-        batch_size=ROW_BATCH_SIZE, batch_format="pyarrow", prefetch_batches=prefetch_batches
-    ):
-        yield arrow_to_columns(table, extra_columns)
 
 
 _DONE = object()

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -22,9 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic_train.blocks import BlockReader, BlockTable, iter_rank_steps
 from elastic_train.checkpoint import load_checkpoint, snapshot
 from elastic_train.config import Config, num_partitions
-from elastic_train.data import MicroBatch, Prefetcher, iter_rank_steps
+from elastic_train.data import MicroBatch, Prefetcher
 from elastic_train.losses import LossFn, LossModule
 from elastic_train.model import ModelFn, build_model, count_parameters, model_flops_per_token
 from elastic_train.optim import (
@@ -34,7 +34,7 @@ from elastic_train.optim import (
     set_lr,
     training_bytes_per_param,
 )
-from elastic_train.plan import owned_partitions
+from elastic_train.plan import StreamSpec, owned_partitions, utilisation
 
 
 @dataclass
@@ -49,6 +49,9 @@ class TrainState:
     padded_tokens: int = 0
     skipped_steps: int = 0
     consecutive_skips: int = 0
+    rows: int = 0  # rows trained (all ranks), for read_amplification
+    # where each partition is in `epoch`: {partition: [window, micro-batches taken]} (blocks.py)
+    cursors: dict[str, list[int]] = field(default_factory=dict)
 
 
 class NonFiniteError(RuntimeError):
@@ -77,6 +80,15 @@ def check_fits_device(model: torch.nn.Module, cfg: Config, device: torch.device)
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def gather_from_all(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (just [value] without a process group)."""
+    if _distributed():
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return [value]
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
@@ -320,9 +332,9 @@ class WorkerEnv(Protocol):
     world_size: int
     last_saved_step: int
     extra_columns: tuple[str, ...]  # the data set's columns beyond id/tokens/length
+    block_table: BlockTable  # the data set's blocks (built by the driver from Parquet footers)
 
     def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module: ...
-    def epoch_rows(self, epoch: int) -> Iterable[dict[str, Any]]: ...
     def latest_checkpoint_dir(self) -> str | None: ...
     def save_checkpoint(self, snap: dict | None, step: int, final: bool) -> None: ...
     def checkpoint_requested(self) -> bool: ...
@@ -345,6 +357,7 @@ class Training:
     optimizer: torch.optim.Optimizer
     setup: StepSetup
     state: TrainState
+    cursors: dict[int, tuple[int, int]] = field(default_factory=dict)  # this rank's, after the last step
 
 
 def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
@@ -387,16 +400,23 @@ def check_state_device(optimizer: torch.optim.Optimizer, device: torch.device) -
                 raise RuntimeError(f"optimizer state restored on {value.device}, parameters on {device}")
 
 
-def _epoch_stream(cfg: Config, env: WorkerEnv, state: TrainState, partitions: list[int]) -> Prefetcher:
+def _epoch_stream(cfg: Config, reader: BlockReader, state: TrainState, partitions: list[int]) -> Prefetcher:
+    """This rank's steps of `state.epoch` from where the state says the run is, read ahead."""
+    spec = StreamSpec(num_partitions(cfg), cfg.data.micro_batch_tokens, cfg.data.shuffle_window,
+                      cfg.data.seed, cfg.data.bucketing)
+    cursors = {int(p): (c[0], c[1]) for p, c in state.cursors.items()}
+    if state.step_in_epoch and not cursors:
+        raise RuntimeError("checkpoint without data cursors mid-epoch (written by an older version)")
     return Prefetcher(
-        iter_rank_steps(
-            env.epoch_rows(state.epoch), partitions=partitions, num_partitions=num_partitions(cfg),
-            micro_batch_tokens=cfg.data.micro_batch_tokens, shuffle_window=cfg.data.shuffle_window,
-            seed=cfg.data.seed, epoch=state.epoch, bucketing=cfg.data.bucketing,
-            start_step=state.step_in_epoch, pad_id=cfg.data.pad_id or 0,
-        ),
+        iter_rank_steps(reader, spec, partitions=partitions, epoch=state.epoch, cursors=cursors,
+                        pad_id=cfg.data.pad_id or 0),
         cfg.data.prefetch_steps,
     )
+
+
+def _log_reads(env: WorkerEnv, attempt: int, reader: BlockReader) -> None:
+    env.log_event({"event": "data_read", "attempt": attempt, "rank": env.world_rank,
+                   "rows_read": reader.counter.rows, "bytes_read": reader.counter.bytes})
 
 
 def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
@@ -411,23 +431,26 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     process = psutil.Process()
     state_logged = False  # optimizer-state bytes per parameter, logged once per attempt
     template = None  # a real micro-batch, for the dry-rank step (see dry_rank_batch)
+    reader = BlockReader(env.block_table, env.extra_columns)
     env.log_event({"event": "start", "attempt": attempt, "world_size": world_size,
-                   "resumed_step": state.step, "rank": rank})
+                   "resumed_step": state.step, "rank": rank,
+                   "utilisation": utilisation(num_partitions(cfg), world_size)})
     while state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
-        stream = _epoch_stream(cfg, env, state, partitions)
+        stream = _epoch_stream(cfg, reader, state, partitions)
         try:
             while state.step < cfg.train.max_steps:
                 t0 = time.perf_counter()
-                micro_batches, wait_s = stream.next()
+                (micro_batches, cursors), wait_s = stream.next()
                 template = micro_batches[0] if micro_batches else template
-                n_mb, targets, real, padded, requested = all_reduce_sum(
+                n_mb, targets, real, padded, rows, requested = all_reduce_sum(
                     [len(micro_batches), sum(mb.targets for mb in micro_batches),
                      sum(mb.real_tokens for mb in micro_batches),
-                     sum(mb.padded_tokens for mb in micro_batches), env.checkpoint_requested()],
+                     sum(mb.padded_tokens for mb in micro_batches),
+                     sum(len(mb.ids) for mb in micro_batches), env.checkpoint_requested()],
                     env.device,
                 )
                 if n_mb == 0:  # every rank's partitions are exhausted: the epoch is over
-                    state.epoch, state.step_in_epoch = state.epoch + 1, 0
+                    state.epoch, state.step_in_epoch, state.cursors = state.epoch + 1, 0, {}
                     break
                 lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
                 result = train_step(
@@ -449,6 +472,8 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                 state.step_in_epoch += 1
                 state.real_tokens += int(real)
                 state.padded_tokens += int(padded)
+                state.rows += int(rows)
+                t.cursors = cursors
                 env.log_consumed(attempt, state, micro_batches)
                 step_time_s = time.perf_counter() - t0
                 if rank == 0:
@@ -459,18 +484,20 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                         forward_backward_s=result.forward_backward_s, optimizer_s=result.optimizer_s,
                         tokens_per_s=real / step_time_s,
                         mfu=flops_per_token * real / step_time_s / (cfg.log.peak_flops * world_size),
-                        rss_bytes=process.memory_info().rss, skipped=result.skipped,
+                        rss_bytes=process.memory_info().rss, skipped=result.skipped, rows=int(rows),
                         micro_batches=int(n_mb), **_cuda_memory(env.device),
                     ))
                 env.maybe_crash(state.step)
                 periodic = cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0
                 if periodic or requested:
                     # requested: the driver expects a resize; commit it before going on (SYNC)
+                    _log_reads(env, attempt, reader)
                     save(env, cfg, t, final=False, sync=bool(requested))
                     if requested:
                         env.checkpoint_committed(state.step)
         finally:
             stream.close()
+    _log_reads(env, attempt, reader)
     save(env, cfg, t, final=True)
 
 
@@ -494,6 +521,11 @@ def save(env: WorkerEnv, cfg: Config, t: Training, final: bool, sync: bool = Fal
     if state.step == env.last_saved_step:  # e.g. the final save right after a periodic one
         return 0.0
     t0 = time.perf_counter()
+    if state.step_in_epoch:  # every rank's partitions' cursors, so any world size can resume
+        merged = {}
+        for part in gather_from_all(t.cursors):
+            merged.update(part)
+        state.cursors = {str(p): list(c) for p, c in sorted(merged.items())}
     snap = None
     if env.world_rank == 0:
         snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),

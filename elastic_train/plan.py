@@ -1,37 +1,88 @@
 """The batch plan: which samples make each micro-batch and each global step. Pure numpy, no Ray/torch.
 
-World-size invariance comes from canonical partitions. The data is split by a hash of the sample id
-into K partitions, K = global_batch_tokens / micro_batch_tokens, fixed for the life of a run. Each
-partition is a deterministic stream: its rows, in read order, are cut into windows of
-`shuffle_window` rows; each window is shuffled with an RNG seeded by (seed, epoch, partition, window),
-sorted by length (bucketing) and cut greedily into micro-batches whose padded size (rows x longest
-row) fits `micro_batch_tokens`; the micro-batches of a window are then shuffled again.
+World-size invariance comes from canonical partitions. The data's unit of assignment is a block: one
+Parquet row group, which storage reads alone. In each epoch the blocks are dealt to K partitions,
+K = global_batch_tokens / micro_batch_tokens, fixed for the life of a run: in an order shuffled by
+(seed, epoch), each block to the partition with the fewest tokens so far, so partitions differ by at
+most one block's tokens. Each partition reads its blocks in an order shuffled by (seed, epoch,
+partition), cut into windows of consecutive blocks holding at least `shuffle_window` rows (so a
+window mixes rows of several blocks from anywhere in the data set); each window is shuffled with an
+RNG seeded by (seed, epoch, partition, window), sorted by length (bucketing) and cut greedily into
+micro-batches whose padded size (rows x longest row) fits `micro_batch_tokens`; the micro-batches of
+a window are then shuffled again.
 
 Global step j of an epoch is micro-batch j of every partition that still has one. A worker of rank r
 out of W owns partitions r, r+W, r+2W, ... and so trains on K/W micro-batches per step (gradient
-accumulation). Nothing here depends on W: the same seed gives the same steps on 1 or 8 workers, and
-the data position is just (epoch, step in epoch).
+accumulation), reading only its partitions' blocks. Nothing here depends on W: the same seed gives
+the same steps on 1 or 8 workers. A partition's position is a cursor (window, micro-batches taken
+from it): a resume at any world size reads at most one window per partition again.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+import heapq
+from dataclasses import dataclass
 
 import numpy as np
 
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What defines the partition streams of a run (with the block table and the epoch)."""
+
+    num_partitions: int
+    micro_batch_tokens: int
+    shuffle_window: int
+    seed: int
+    bucketing: bool = True
 
 
-def partition_of(ids: np.ndarray, num_partitions: int) -> np.ndarray:
-    """Canonical partition of each sample id (splitmix64 hash, so any id scheme spreads evenly)."""
-    with np.errstate(over="ignore"):
-        z = np.asarray(ids).astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = (z ^ (z >> np.uint64(31))) & _MASK64
-    return (z % np.uint64(num_partitions)).astype(np.int64)
+def assign_blocks(block_tokens: np.ndarray, num_partitions: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """The blocks of each partition in one epoch, in that partition's read order.
+
+    Blocks are dealt in an order shuffled by (seed, epoch), each to the partition with the fewest
+    tokens so far (ties to the lowest partition), so partition sizes differ by at most one block.
+    """
+    tokens = np.asarray(block_tokens, dtype=np.int64)
+    order = np.random.default_rng([seed, epoch, 0xB10C]).permutation(len(tokens))
+    heap = [(0, p) for p in range(num_partitions)]
+    owned: list[list[int]] = [[] for _ in range(num_partitions)]
+    for block in order:
+        total, p = heapq.heappop(heap)
+        owned[p].append(int(block))
+        heapq.heappush(heap, (total + int(tokens[block]), p))
+    out = []
+    for p, blocks in enumerate(owned):
+        blocks_arr = np.array(sorted(blocks), dtype=np.int64)
+        out.append(blocks_arr[np.random.default_rng([seed, epoch, p, 0x0DE5]).permutation(len(blocks_arr))])
+    return out
+
+
+def window_spans(block_rows: np.ndarray, shuffle_window: int) -> list[tuple[int, int]]:
+    """Windows over a partition's blocks in read order: [start, end) runs of consecutive blocks
+    holding at least `shuffle_window` rows (the last one may hold fewer)."""
+    spans, start, rows = [], 0, 0
+    for i, n in enumerate(np.asarray(block_rows)):
+        rows += int(n)
+        if rows >= shuffle_window:
+            spans.append((start, i + 1))
+            start, rows = i + 1, 0
+    if start < len(block_rows):
+        spans.append((start, len(block_rows)))
+    return spans
+
+
+def partition_balance(block_tokens: np.ndarray, assignment: list[np.ndarray]) -> float:
+    """Tokens of the largest partition / the mean: 1.0 is perfect balance. The steps at an epoch's
+    end where smaller partitions are dry leave their ranks idle."""
+    totals = np.array([int(np.asarray(block_tokens)[b].sum()) for b in assignment], dtype=np.float64)
+    return float(totals.max() / max(totals.mean(), 1.0))
+
+
+def utilisation(num_partitions: int, world_size: int) -> float:
+    """Share of the ranks' step time spent training when W ranks own K partitions round robin:
+    a step lasts as long as the rank with ceil(K/W) micro-batches."""
+    return num_partitions / (world_size * -(-num_partitions // world_size))
 
 
 def owned_partitions(world_rank: int, world_size: int, num_partitions: int) -> list[int]:
@@ -76,88 +127,3 @@ def bucket_window(
     if start < len(order):
         batches.append(order[start:])
     return [batches[i] for i in rng.permutation(len(batches))]
-
-
-@dataclass
-class MicroBatchRows:
-    """One micro-batch of one partition: the row payloads (whatever the caller added)."""
-
-    partition: int
-    rows: list[Any]
-    lengths: np.ndarray
-
-
-@dataclass
-class _PartitionState:
-    partition: int
-    window_index: int = 0
-    pending_rows: list[Any] = field(default_factory=list)
-    pending_lengths: list[int] = field(default_factory=list)
-    ready: deque = field(default_factory=deque)
-    finished: bool = False
-
-
-class StepAssembler:
-    """Turns the rows of one epoch, in read order, into this rank's steps.
-
-    Feed rows with `add`, call `finish` at the end of the epoch's data, and take complete steps
-    from `pop_steps`. A step is the list of this rank's micro-batches for one global step (empty
-    when all of this rank's partitions are exhausted but others may not be). Steps before
-    `start_step` are dropped (resume mid-epoch) without being materialised by the caller.
-    """
-
-    def __init__(
-        self,
-        partitions: list[int],
-        *,
-        micro_batch_tokens: int,
-        shuffle_window: int,
-        seed: int,
-        epoch: int,
-        bucketing: bool = True,
-        start_step: int = 0,
-    ) -> None:
-        self.states = {p: _PartitionState(p) for p in partitions}
-        self.micro_batch_tokens = micro_batch_tokens
-        self.shuffle_window = shuffle_window
-        self.seed, self.epoch, self.bucketing = seed, epoch, bucketing
-        self.start_step = start_step
-        self.next_step = start_step  # epoch step index of the next step popped
-        self._dropped = {p: 0 for p in partitions}
-
-    def add(self, partition: int, row: Any, length: int) -> None:
-        state = self.states[partition]
-        state.pending_rows.append(row)
-        state.pending_lengths.append(int(length))
-        if len(state.pending_rows) >= self.shuffle_window:
-            self._flush(state)
-
-    def finish(self) -> None:
-        for state in self.states.values():
-            if state.pending_rows:
-                self._flush(state)
-            state.finished = True
-
-    def _flush(self, state: _PartitionState) -> None:
-        lengths = np.asarray(state.pending_lengths, dtype=np.int64)
-        rng = window_rng(self.seed, self.epoch, state.partition, state.window_index)
-        for idx in bucket_window(lengths, self.micro_batch_tokens, rng, self.bucketing):
-            if self._dropped[state.partition] < self.start_step:
-                self._dropped[state.partition] += 1  # trained before the restart
-                continue
-            rows = [state.pending_rows[i] for i in idx]
-            state.ready.append(MicroBatchRows(state.partition, rows, lengths[idx]))
-        state.window_index += 1
-        state.pending_rows, state.pending_lengths = [], []
-
-    def pop_steps(self) -> list[list[MicroBatchRows]]:
-        """Steps that are complete now: every owned partition has its micro-batch or is done."""
-        steps = []
-        while self.states:
-            if not all(s.ready or s.finished for s in self.states.values()):
-                break
-            if all(s.finished and not s.ready for s in self.states.values()):
-                break
-            steps.append([s.ready.popleft() for s in self.states.values() if s.ready])
-            self.next_step += 1
-        return steps

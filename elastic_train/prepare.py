@@ -21,6 +21,7 @@ in a file correlates with shard order. All token ids are held in memory for that
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -46,13 +47,16 @@ from elastic_train.sources import (  # noqa: F401  (TEXT_SUFFIXES, split_documen
 from elastic_train.tokenizer import BYTE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer
 
 REQUIRED_COLUMNS = ("id", "tokens", "length")
+# Rows per Parquet row group: the unit a training rank reads alone (blocks.py). Small enough that
+# every data partition gets many, large enough that a footer stays small.
+ROWS_PER_BLOCK = 128
 STATS_FILE = "_prepare.json"
 TOKENIZER_DIR = "tokenizer"  # the copy of the tokenizer, beside the shards
 DEFAULT_CORPUS_BYTES = 4_000_000
 # Part of the default corpus's cache folder name: bump it whenever the files chosen, the way
 # they are cut or what `_prepare.json` records changes, so that a corpus cached by an older
 # version is not reused.
-CORPUS_FORMAT = 3
+CORPUS_FORMAT = 4
 # Folders of the standard library left out of the default corpus: tests, GUI code, vendored
 # or generated data tables, and third-party packages that happen to live next to it.
 STDLIB_EXCLUDED_DIRS = frozenset({
@@ -61,6 +65,7 @@ STDLIB_EXCLUDED_DIRS = frozenset({
     "__phello__", "venv",
 })
 _INT16_MAX = int(np.iinfo(np.int16).max)
+logger = logging.getLogger("elastic_train.prepare")
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ def prepare(
     *,
     max_seq_len: int = 256,
     rows_per_shard: int = 20000,
+    rows_per_block: int = ROWS_PER_BLOCK,
     seed: int = 0,
     tokenizer: Tokenizer | PathLike | None = None,
     text_field: str = "text",
@@ -119,22 +125,35 @@ def prepare(
     loads) with its EOS after each document. `text_field` names the text of JSONL/Parquet.
 
     Writes `output/tokenizer/` (unless bytes), `output/part-NNNNN.parquet`, then
-    `output/_prepare.json`, and returns the stats written there. Raises ValueError naming the
-    culprit if the tokenizer does not load, an input is missing, binary or malformed, no text
-    is found, or `output` already contains Parquet files.
+    `output/_prepare.json`, and returns the stats written there. Text files that look binary
+    are skipped with a warning that counts them. Raises ValueError naming the culprit if the
+    tokenizer does not load, an input is missing or malformed, no text is found, or `output`
+    is empty or already contains Parquet files.
     """
+    if rows_per_block < 1:
+        raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
     if max_seq_len < 1 or rows_per_shard < 1:
         raise ValueError(f"max_seq_len ({max_seq_len}) and rows_per_shard ({rows_per_shard}) "
                          "must both be at least 1")
+    if seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {seed}")
+    if not str(output).strip():
+        raise ValueError("--output: an empty path")
     out = Path(output)
     _check_output_free(out)
     if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
         tokenizer = load_tokenizer(tokenizer)
-    files = collect_input_files(inputs)
+    skipped: list[tuple[Path, str]] = []
+    files = collect_input_files(inputs, skipped)
     values, spans = gather_rows(files, tokenizer, max_seq_len, text_field)
     if len(spans) == 0:
         shown = ", ".join(f"'{item}'" for item in inputs) or "(no inputs given)"
-        raise ValueError(f"no input text found in {shown}")
+        extra = f" (skipped {len(skipped)} binary file(s))" if skipped else ""
+        raise ValueError(f"no input text found in {shown}{extra}")
+    if skipped:
+        shown = ", ".join(f"'{file}' ({why})" for file, why in skipped[:3])
+        logger.warning("skipped %d binary file(s), not text: %s%s", len(skipped), shown,
+                       ", ..." if len(skipped) > 3 else "")
     spans = spans[np.random.default_rng(seed).permutation(len(spans))]
     max_token_id = int(values.max())
     widest = max(int(tokenizer.vocab_size) - 1, max_token_id)
@@ -146,13 +165,14 @@ def prepare(
     starts = range(0, len(spans), rows_per_shard)
     for shard, first in enumerate(starts):
         table = _shard_table(first, spans[first:first + rows_per_shard], values, names, token_type)
-        pq.write_table(table, out / f"part-{shard:05d}.parquet")
+        pq.write_table(table, out / f"part-{shard:05d}.parquet", row_group_size=rows_per_block)
     stats = {
         "rows": len(spans),
         "tokens": int(values.size),
         "max_seq_len": max_seq_len,
         "shards": len(starts),
         "source_files": len(files),
+        "skipped_binary_files": len(skipped),
         "tokenizer": _tokenizer_record(tokenizer),
         "max_token_id": max_token_id,
         "token_type": token_type.name,
@@ -328,13 +348,17 @@ def inspect_dataset(path: str) -> DatasetInfo:
     rows, max_length = 0, 0
     columns: list[str] | None = None
     for file in files:
-        with fs.open_input_file(file) as handle:
-            parquet = pq.ParquetFile(handle)
-            schema = parquet.schema_arrow
-            _check_schema(schema, file)
-            rows += parquet.metadata.num_rows
-            max_length = max(max_length, _max_length(parquet))
-            columns = [name for name in columns or schema.names if name in schema.names]
+        try:
+            with fs.open_input_file(file) as handle:
+                parquet = pq.ParquetFile(handle)
+                schema = parquet.schema_arrow
+                _check_schema(schema, file)
+                rows += parquet.metadata.num_rows
+                max_length = max(max_length, _max_length(parquet))
+                columns = [name for name in columns or schema.names if name in schema.names]
+        except (pa.ArrowException, OSError) as exc:  # truncated, not Parquet, unreadable
+            detail = " ".join(str(exc).split())
+            raise ValueError(f"dataset file '{file}' is not a readable Parquet file: {detail}") from None
     if rows == 0:
         raise ValueError(f"dataset '{path}' is empty: its Parquet files hold no rows")
     is_folder = fs.get_file_info(root).type == pafs.FileType.Directory

@@ -106,4 +106,23 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
         "ledger": ledger(records, events, start_time, end_time),
     }
     summary["goodput"] = summary["ledger"]["goodput"]
+    summary.update(read_figures(events, sum(r.get("rows", 0) for r in effective.values())))
     return summary
+
+
+def read_figures(events: list[dict], rows_trained: int) -> dict:
+    """`read_amplification`: rows read from storage by all ranks of all attempts / rows trained
+    (each rank logs its running count; the last one of each (attempt, rank) counts), and the rows
+    and bytes read per (attempt, rank)."""
+    last: dict[tuple[int, int], dict] = {}
+    for e in events:
+        if e.get("event") == "data_read":
+            last[(e["attempt"], e["rank"])] = e
+    rows_read = sum(e["rows_read"] for e in last.values())
+    return {
+        "read_amplification": rows_read / rows_trained if rows_trained else None,
+        "rows_read": rows_read,
+        "bytes_read": sum(e["bytes_read"] for e in last.values()),
+        "reads_per_rank": [{k: e[k] for k in ("attempt", "rank", "rows_read", "bytes_read")}
+                           for _, e in sorted(last.items())],
+    }

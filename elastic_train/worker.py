@@ -23,19 +23,11 @@ from ray.train import Checkpoint
 from ray.train.v2.api.report_config import CheckpointUploadMode
 
 from elastic_train import raycompat
+from elastic_train.blocks import BlockTable
 from elastic_train.checkpoint import write_checkpoint
 from elastic_train.config import Config, config_from_dict
-from elastic_train.data import iter_parquet_batches, iter_ray_batches
 
 CRASH_COMMIT_WAIT_S = 120.0  # fault hooks: the longest wait for a checkpoint's commit
-
-
-def _gather_from_all(value: Any) -> list[Any]:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value)
-        return out
-    return [value]
 
 
 def _broadcast_from_rank0(value: Any) -> Any:
@@ -49,11 +41,13 @@ def _broadcast_from_rank0(value: Any) -> Any:
 class RayWorkerEnv:
     """What `loop.train_loop` sees of Ray Train on one worker."""
 
-    def __init__(self, cfg: Config, runlog, files: list[str]) -> None:
+    def __init__(self, cfg: Config, runlog, block_table: BlockTable,
+                 extra_columns: tuple[str, ...] = ()) -> None:
         ctx = ray.train.get_context()
         self.cfg = cfg
         self.runlog = runlog
-        self.files = files
+        self.block_table = block_table  # the data set's blocks; the loop reads its partitions'
+        self.extra_columns = extra_columns  # data set columns beyond id/tokens/length, for the loss
         self.world_rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
         self.device = ray.train.torch.get_device()
@@ -71,11 +65,6 @@ class RayWorkerEnv:
     def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module:
         """Move to this worker's device; wrap in DDP unless the loop reduces gradients itself."""
         return ray.train.torch.prepare_model(model, parallel_strategy="ddp" if ddp else None)
-
-    def epoch_rows(self, epoch: int):
-        if self.cfg.data.reader == "ray_data":
-            return iter_ray_batches(ray.train.get_dataset_shard("train"))
-        return iter_parquet_batches(self.files)
 
     def latest_checkpoint_dir(self) -> str | None:
         checkpoint = ray.train.get_checkpoint()
@@ -250,10 +239,10 @@ class RayWorkerEnv:
         the second time at the same step, stop the run naming the step and its sample ids.
 
         Every rank calls this at the same step (the skip decision is all-reduced)."""
-        from elastic_train.loop import NonFiniteError
+        from elastic_train.loop import NonFiniteError, gather_from_all
 
         mine = [int(i) for mb in micro_batches for i in mb.ids]
-        ids = sorted(i for rank_ids in _gather_from_all(mine) for i in rank_ids)
+        ids = sorted(i for rank_ids in gather_from_all(mine) for i in rank_ids)
         first_time = None
         if self.world_rank == 0:
             first_time = ray.get(self.runlog.claim_fault.remote(f"rollback@{step}"))
@@ -273,14 +262,17 @@ class RayWorkerEnv:
 
 def train_worker(config: dict[str, Any]) -> None:
     """Entry point of every Ray Train worker (`train_loop_per_worker`)."""
-    from elastic_train.loop import NonFiniteError, train_loop
+    from elastic_train.loop import ModelTooLargeError, NonFiniteError, train_loop
 
     cfg = config_from_dict(config["config"])
     if not cfg.scaling.use_gpu:
         torch.set_num_threads(cfg.scaling.torch_threads)
-    env = RayWorkerEnv(cfg, config["runlog"], config["files"])
+    env = RayWorkerEnv(cfg, config["runlog"], config["block_table"], tuple(config["extra_columns"]))
     try:
-        train_loop(cfg, env)
+        train_loop(cfg, env, config.get("model_fn"), config.get("loss_fn"))
+    except ModelTooLargeError as exc:
+        if env.world_rank == 0:  # the same on every rank; the driver reports it as the failure
+            ray.get(env.runlog.set_fatal.remote(str(exc)))
     except NonFiniteError:
         if env.fatal is None:
             raise  # the first time: Ray restarts the group from the last checkpoint

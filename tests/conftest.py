@@ -32,7 +32,7 @@ def small_dataset(tmp_path_factory) -> str:
     files = [stdlib / name for name in ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py",
                                         "heapq.py", "glob.py", "colorsys.py")]
     out = tmp_path_factory.mktemp("data") / "small"
-    prepare(files, out, max_seq_len=128, rows_per_shard=600)
+    prepare(files, out, max_seq_len=128, rows_per_shard=600, rows_per_block=32)
     return str(out)
 
 

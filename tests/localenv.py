@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from elastic_train.api import dataset_blocks
 from elastic_train.config import Config
-from elastic_train.data import iter_parquet_batches
 from elastic_train.loop import train_loop
 from elastic_train.prepare import inspect_dataset
 
@@ -19,8 +19,8 @@ class LocalEnv:
     device = torch.device("cpu")
     world_rank, world_size = 0, 1
 
-    def __init__(self, files: list[str], extra_columns: tuple[str, ...] = ()) -> None:
-        self.files = files
+    def __init__(self, block_table, extra_columns: tuple[str, ...] = ()) -> None:
+        self.block_table = block_table
         self.extra_columns = extra_columns
         self.last_saved_step = -1
         self.final: dict[str, Any] | None = None
@@ -28,9 +28,6 @@ class LocalEnv:
 
     def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module:
         return model
-
-    def epoch_rows(self, epoch: int):
-        return iter_parquet_batches(self.files, self.extra_columns)
 
     def latest_checkpoint_dir(self) -> str | None:
         return None
@@ -62,7 +59,7 @@ class LocalEnv:
 def train_locally(cfg: Config, model_fn=None, loss_fn=None,
                   extra_columns: tuple[str, ...] = ()) -> LocalEnv:
     """Train `cfg` (a resolved config, e.g. a run's config.yaml) in this process, uninterrupted."""
-    env = LocalEnv(inspect_dataset(cfg.data.path).files, extra_columns)
+    env = LocalEnv(dataset_blocks(inspect_dataset(cfg.data.path)), extra_columns)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

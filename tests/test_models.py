@@ -39,7 +39,7 @@ def bpe_dataset(bpe_tokenizer, tmp_path_factory) -> str:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     out = tmp_path_factory.mktemp("bpe-data") / "data"
     prepare([stdlib / n for n in ("textwrap.py", "shlex.py", "fnmatch.py", "glob.py")], out,
-            max_seq_len=128, tokenizer=bpe_tokenizer, rows_per_shard=300)
+            max_seq_len=128, tokenizer=bpe_tokenizer, rows_per_shard=300, rows_per_block=16)
     return str(out)
 
 

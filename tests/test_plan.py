@@ -1,101 +1,178 @@
-"""The batch plan and the data stream: world-size invariance, exactly-once, resume, padding."""
+"""The batch plan and the block streams on real Parquet files: world-size invariance, exactly-once,
+resume from cursors at any world size, reads that scale with the workers, padding."""
 
 from __future__ import annotations
 
 import itertools
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
 
-from elastic_train.data import iter_parquet_batches, iter_rank_steps
-from elastic_train.plan import bucket_window, owned_partitions, partition_of
+from elastic_train.blocks import BlockReader, build_block_table, check_blocks, iter_rank_steps
+from elastic_train.plan import (
+    StreamSpec,
+    assign_blocks,
+    bucket_window,
+    owned_partitions,
+    partition_balance,
+    utilisation,
+    window_spans,
+)
 
 pytestmark = pytest.mark.unit
 
 K = 8
 
 
-def synthetic_rows(n: int, seed: int = 1, max_len: int = 64):
-    """Long-tailed lengths (lognormal, clipped), batched like a reader would."""
+def write_rows(folder, n: int, seed: int = 1, max_len: int = 64, rows_per_block: int = 40,
+               files: int = 3) -> dict[int, int]:
+    """Long-tailed lengths (lognormal, clipped) in `files` shards of `rows_per_block`-row groups;
+    returns {id: length}."""
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(3.0, 0.9, n).astype(np.int64), 1, max_len)
     ids = rng.permutation(n).astype(np.int64) * 7 + 3  # arbitrary unique ids
-    batches = []
-    for start in range(0, n, 97):  # an odd batch size: batching must not matter
-        sl = slice(start, start + 97)
-        batches.append({"id": ids[sl], "length": lengths[sl],
-                        "tokens": [np.full(k, i % 256) for i, k in zip(ids[sl], lengths[sl], strict=False)]})
-    return batches, dict(zip(ids.tolist(), lengths.tolist(), strict=False))
+    folder.mkdir(parents=True, exist_ok=True)
+    for f, part in enumerate(np.array_split(np.arange(n), files)):
+        tokens = [np.full(lengths[i], ids[i] % 256, dtype=np.int16) for i in part]
+        table = pa.table({"id": ids[part], "tokens": tokens, "length": lengths[part].astype(np.int32)})
+        pq.write_table(table, folder / f"part-{f:05d}.parquet", row_group_size=rows_per_block)
+    return dict(zip(ids.tolist(), lengths.tolist(), strict=True))
 
 
-def run_epoch(batches, world_size: int, start_step: int = 0, epoch: int = 0, bucketing=True,
-              micro_batch_tokens: int = 256, window: int = 50):
-    """Global steps as {step: sorted ids per partition}, assembled rank by rank."""
+def table_of(folder):
+    files = sorted(str(p) for p in folder.glob("*.parquet"))
+    return build_block_table(pafs.LocalFileSystem(), files, files)
+
+
+def spec(micro_batch_tokens: int = 256, window: int = 100, bucketing: bool = True) -> StreamSpec:
+    return StreamSpec(K, micro_batch_tokens, window, seed=5, bucketing=bucketing)
+
+
+def run_epoch(table, world_size: int, epoch: int = 0, cursors=None, stream_spec=None,
+              until_step: int | None = None):
+    """Global steps as {step: {partition: ids}}, the merged cursors after each step, and each
+    rank's reader (its read counts)."""
     steps: dict[int, dict[int, list[int]]] = {}
+    after: dict[int, dict] = {}
+    readers = []
+    first = 0 if cursors is None else None
     for rank in range(world_size):
-        it = iter_rank_steps(batches, partitions=owned_partitions(rank, world_size, K),
-                             num_partitions=K, micro_batch_tokens=micro_batch_tokens,
-                             shuffle_window=window, seed=5, epoch=epoch, bucketing=bucketing,
-                             start_step=start_step)
-        for step in itertools.count(start_step):
-            mbs = next(it)
-            if not mbs:
-                # Once this rank is dry it stays dry: check a few more.
-                assert all(not next(it) for _ in range(3))
+        reader = BlockReader(table)
+        readers.append(reader)
+        it = iter_rank_steps(reader, stream_spec or spec(), partitions=owned_partitions(rank, world_size, K),
+                             epoch=epoch, cursors=cursors)
+        for step in itertools.count(first or 0):
+            mbs, cursor = next(it)
+            if not mbs or (until_step is not None and step > until_step):
                 break
+            after.setdefault(step, {}).update(cursor)
             for mb in mbs:
                 steps.setdefault(step, {})[mb.partition] = mb.ids.tolist()
-    return steps
+    return steps, after, readers
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plan")
+    lengths = write_rows(folder, 3000)
+    return table_of(folder), lengths
 
 
 @pytest.mark.parametrize("world_size", range(1, K + 1))
-def test_steps_do_not_depend_on_world_size(world_size):
-    batches, _ = synthetic_rows(3000)
-    assert run_epoch(batches, world_size) == run_epoch(batches, 1)
+def test_steps_do_not_depend_on_world_size(data, world_size):
+    table, _ = data
+    assert run_epoch(table, world_size)[0] == run_epoch(table, 1)[0]
 
 
-def test_every_sample_exactly_once_per_epoch_and_epochs_differ():
-    batches, lengths = synthetic_rows(2500)
+def test_every_sample_exactly_once_per_epoch_and_epochs_differ(data):
+    table, lengths = data
     for epoch in (0, 1):
-        ids = [i for step in run_epoch(batches, 3, epoch=epoch).values()
+        ids = [i for step in run_epoch(table, 3, epoch=epoch)[0].values()
                for part in step.values() for i in part]
         assert sorted(ids) == sorted(lengths)
-    assert run_epoch(batches, 2, epoch=0) != run_epoch(batches, 2, epoch=1)
+    assert run_epoch(table, 2, epoch=0)[0] != run_epoch(table, 2, epoch=1)[0]
 
 
-@pytest.mark.parametrize("world_size, start", [(1, 5), (2, 17), (4, 1), (3, 30)])
-def test_resume_mid_epoch_skips_exactly_the_trained_steps(world_size, start):
-    batches, _ = synthetic_rows(2000)
-    full = run_epoch(batches, 2)
-    resumed = run_epoch(batches, world_size, start_step=start)
-    assert resumed == {s: v for s, v in full.items() if s >= start}
+@pytest.mark.parametrize("world_size, resumed_size, stop", [(2, 1, 5), (2, 3, 17), (4, 2, 1), (1, 8, 30)])
+def test_resume_from_cursors_at_another_world_size(data, world_size, resumed_size, stop):
+    """The cursors after step `stop` (gathered from all ranks) restart every partition where it
+    was: the same steps follow, and each partition reads at most one window again."""
+    table, _ = data
+    full, after, _ = run_epoch(table, world_size)
+    cursors = after[stop]
+    resumed, _, readers = run_epoch(table, resumed_size, cursors=cursors)
+    assert {s - stop - 1: v for s, v in full.items() if s > stop} == resumed
+    rows_left = sum(len(ids) for s, parts in full.items() if s > stop for ids in parts.values())
+    rows_read = sum(r.counter.rows for r in readers)
+    window_rows = 100 + 40  # a window: >= 100 rows, plus at most one block
+    assert rows_left <= rows_read <= rows_left + K * window_rows, (rows_left, rows_read)
 
 
-def test_micro_batches_respect_budget_and_pad_to_longest():
-    batches, lengths = synthetic_rows(1500)
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_each_rank_reads_only_its_share(data, world_size):
+    """Rows read by all ranks = rows in the data set (read amplification 1.0), each rank's reads
+    within 1.1 x its share of the steps' rows."""
+    table, lengths = data
+    steps, _, readers = run_epoch(table, world_size)
+    assert sum(r.counter.rows for r in readers) == len(lengths)
+    for rank, reader in enumerate(readers):
+        mine = set(owned_partitions(rank, world_size, K))
+        share = sum(len(ids) for parts in steps.values() for p, ids in parts.items() if p in mine)
+        assert reader.counter.rows <= 1.1 * share and reader.counter.bytes > 0
+
+
+def test_partitions_are_balanced_by_tokens():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(100, 5000, size=203)
+    assignment = assign_blocks(tokens, K, seed=1, epoch=0)
+    assert sorted(np.concatenate(assignment).tolist()) == list(range(203))
+    totals = [int(tokens[a].sum()) for a in assignment]
+    assert max(totals) - min(totals) <= tokens.max()
+    assert 1.0 <= partition_balance(tokens, assignment) < 1.05
+    assert [a.tolist() for a in assign_blocks(tokens, K, 1, 1)] != [a.tolist() for a in assignment]
+
+
+def test_windows_mix_several_blocks():
+    assert window_spans(np.array([40] * 7), 100) == [(0, 3), (3, 6), (6, 7)]
+    assert window_spans(np.array([500, 10]), 100) == [(0, 1), (1, 2)]
+
+
+def test_utilisation_per_world_size():
+    assert utilisation(8, 8) == utilisation(8, 4) == 1.0
+    assert utilisation(16, 7) == pytest.approx(16 / 21)
+    assert utilisation(8, 3) == pytest.approx(8 / 9)
+
+
+def test_micro_batches_respect_budget_and_pad_to_longest(data):
+    table, lengths = data
+    steps, _, _ = run_epoch(table, 2)
+    assert steps
     for rank in range(2):
-        it = iter_rank_steps(batches, partitions=owned_partitions(rank, 2, K), num_partitions=K,
-                             micro_batch_tokens=256, shuffle_window=64, seed=0, epoch=0)
-        while mbs := next(it):
+        it = iter_rank_steps(BlockReader(table), spec(), partitions=owned_partitions(rank, 2, K), epoch=0)
+        while (mbs := next(it)[0]):
             for mb in mbs:
                 assert mb.tokens.shape == (len(mb.ids), max(lengths[i] for i in mb.ids.tolist()))
                 assert mb.tokens.size <= 256
                 assert [lengths[i] for i in mb.ids.tolist()] == mb.lengths.tolist()
-                for row, n in zip(mb.tokens, mb.lengths, strict=False):
+                for row, n in zip(mb.tokens, mb.lengths, strict=True):
                     assert not row[n:].any()
 
 
-def test_last_partial_steps_and_empty_partitions():
-    # 6 rows over 8 partitions: at least two partitions, and so some ranks, have nothing.
-    batches, lengths = synthetic_rows(6)
-    assert len(set(partition_of(np.array(list(lengths)), K).tolist())) < K
-    steps = run_epoch(batches, 2)
+def test_last_partial_steps_and_few_blocks(tmp_path):
+    # 16 blocks over 8 partitions (2 each): partitions run dry at different steps.
+    lengths = write_rows(tmp_path / "few", 400, rows_per_block=25, files=2)
+    table = table_of(tmp_path / "few")
+    steps, _, _ = run_epoch(table, 2)
     assert sorted(i for s in steps.values() for v in s.values() for i in v) == sorted(lengths)
-    assert run_epoch(batches, 5) == run_epoch(batches, 8) == steps
-    # Partitions run dry at different steps: the last steps are partial, and stay so.
-    batches, _ = synthetic_rows(400)
-    sizes = [len(parts) for _, parts in sorted(run_epoch(batches, 2).items())]
+    assert run_epoch(table, 5)[0] == run_epoch(table, 8)[0] == steps
+    sizes = [len(parts) for _, parts in sorted(steps.items())]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] == K and sizes[-1] < K
+    check_blocks(table, K, "few")
+    with pytest.raises(ValueError, match="fewer than the 32 this run needs.*--rows-per-block"):
+        check_blocks(table, 16, "few")
 
 
 def test_odd_lengths_single_rows_and_budget_edge():
@@ -115,14 +192,13 @@ def test_owned_partitions_cover_all_once():
         owned_partitions(0, K + 1, K)
 
 
-def efficiency(files, bucketing: bool) -> float:
+def efficiency(table, bucketing: bool) -> float:
     real = padded = 0
-    batches = list(iter_parquet_batches(files))
+    stream_spec = StreamSpec(K, 2048, 1024, seed=0, bucketing=bucketing)
     for rank in range(2):
-        it = iter_rank_steps(batches, partitions=owned_partitions(rank, 2, K), num_partitions=K,
-                             micro_batch_tokens=2048, shuffle_window=1024, seed=0, epoch=0,
-                             bucketing=bucketing)
-        while mbs := next(it):
+        it = iter_rank_steps(BlockReader(table), stream_spec, partitions=owned_partitions(rank, 2, K),
+                             epoch=0)
+        while (mbs := next(it)[0]):
             real += sum(mb.real_tokens for mb in mbs)
             padded += sum(mb.padded_tokens for mb in mbs)
     return real / padded
@@ -131,7 +207,8 @@ def efficiency(files, bucketing: bool) -> float:
 def test_padding_efficiency_on_embedded_corpus(tmp_path):
     from elastic_train.prepare import default_corpus_dir, inspect_dataset
 
-    files = inspect_dataset(str(default_corpus_dir(512, cache_root=tmp_path))).files
-    bucketed, random = efficiency(files, True), efficiency(files, False)
+    info = inspect_dataset(str(default_corpus_dir(512, cache_root=tmp_path)))
+    table = build_block_table(info.filesystem, info.files, info.files)
+    bucketed, random = efficiency(table, True), efficiency(table, False)
     assert bucketed >= 0.95, bucketed
     assert random < 0.75, random
