@@ -199,7 +199,8 @@ def _check_same_data(cfg: Config, info: DatasetInfo, state: dict, fs: pafs.FileS
         saved["partitions"] = data["global_batch_tokens"] // data["micro_batch_tokens"]
     path = data.get("path")
     if isinstance(path, str) and ("://" in path or os.path.isabs(path)):
-        saved["path"] = path.rstrip("/")  # a relative one depended on that run's working folder
+        # (a relative one depended on that run's working folder)
+        saved["path"] = path.rstrip("/") if "://" in path else os.path.normpath(path)
     identity_path = f"{folder}/{IDENTITY_FILE}"
     if fs.get_file_info(identity_path).type == pafs.FileType.File:
         recorded = _read_json(fs, identity_path, "run file")

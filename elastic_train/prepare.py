@@ -159,7 +159,10 @@ def prepare(
     widest = max(int(tokenizer.vocab_size) - 1, max_token_id)
     token_type = np.dtype(np.int16 if widest <= _INT16_MAX else np.int32)
     names = [str(file) for file in files]
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"output '{out}' cannot be created: {exc.strerror or exc}") from None
     if tokenizer.kind != "bytes":
         tokenizer.save(out / TOKENIZER_DIR)
     starts = range(0, len(spans), rows_per_shard)

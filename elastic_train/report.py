@@ -1,8 +1,11 @@
 """`elastic-train report RUN_FOLDER`: a run's figures on the terminal, and two plots beside them.
 
 It reads the run folder's files only (no Ray): `metrics.jsonl`, `events.jsonl`, `attempts.json`
-and `summary.json`. Without a summary.json, or with one older than the metrics (a resumed run that
-is still going, or whose driver died), the summary is computed from the logs up to their last line.
+and `summary.json`. Lines of the JSONL files that are cut short, not JSON, or not records of this
+project (a field missing or not a number) are skipped, and the console says how many; a corrupt
+`attempts.json` or `summary.json` is an error naming the file. Without a summary.json, or with
+one older than the metrics (a resumed run that is still going, or whose driver died), the summary
+is computed from the logs up to their last line.
 `loss.png` shows loss against step for every attempt (a replayed step appears once per attempt)
 and `throughput.png` shows tokens/s against wall time; both mark each restart and resize.
 """
@@ -10,11 +13,14 @@ and `throughput.png` shows tokens/s against wall time; both mark each restart an
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic_train.summary import build_summary, effective_records, ledger, read_jsonl
+from elastic_train.summary import build_summary, effective_records, ledger
 
 LEDGER_PARTS = ("startup_s", "productive_s", "recovery_s", "replayed_s", "checkpoint_s",
                 "data_wait_s", "shutdown_s", "other_s")
@@ -30,6 +36,7 @@ class RunFiles:
     attempts: list[dict[str, Any]]
     summary: dict[str, Any]
     summary_source: str  # "summary.json" or why it was computed from the logs
+    skipped: dict[str, int] = field(default_factory=dict)  # file -> corrupt/foreign lines left out
 
 
 @dataclass
@@ -74,12 +81,79 @@ def run_origin(run: RunFiles) -> float:
     return min(candidates)
 
 
+# The fields of a metrics.jsonl record that the report reads: numbers all.
+RECORD_NUMBERS = ("step", "attempt", "world_size", "loss", "time", "step_time_s", "data_wait_s",
+                  "real_tokens", "padded_tokens", "tokens_per_s")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_record(line: Any) -> bool:
+    """A metrics.jsonl record this report can draw (finite time, numbers where numbers go)."""
+    return (isinstance(line, dict) and all(_is_number(line.get(k)) for k in RECORD_NUMBERS)
+            and math.isfinite(line["time"]) and math.isfinite(line["step_time_s"]))
+
+
+def is_event(line: Any) -> bool:
+    """An events.jsonl record: a time and an event name (data_read ones with their counts)."""
+    if not (isinstance(line, dict) and _is_number(line.get("time"))
+            and isinstance(line.get("event"), str)):
+        return False
+    if line["event"] == "data_read":
+        return all(_is_number(line.get(k)) for k in ("attempt", "rank", "rows_read", "bytes_read"))
+    return True
+
+
+def read_lines(path: Path, valid: Callable[[Any], bool]) -> tuple[list[dict[str, Any]], int]:
+    """The valid JSON lines of a file (none if absent), and how many others were skipped."""
+    if not path.is_file():
+        return [], 0
+    kept, skipped = [], 0
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # cut short by a crash, or not JSON at all
+            skipped += 1
+            continue
+        if valid(record):
+            kept.append(record)
+        else:
+            skipped += 1
+    return kept, skipped
+
+
+def _read_json_file(path: Path, valid: Callable[[Any], bool], what: str) -> Any:
+    """A JSON file's content; ValueError naming the file if it is not JSON or not `what`."""
+    try:
+        content = json.loads(path.read_bytes().decode("utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"run file '{path}' is corrupt: {exc}") from None
+    if not valid(content):
+        raise ValueError(f"run file '{path}' is corrupt: not {what}")
+    return content
+
+
+def _is_attempts(content: Any) -> bool:
+    return isinstance(content, list) and all(
+        isinstance(a, dict) and _is_number(a.get("attempt")) and _is_number(a.get("world_size"))
+        and _is_number(a.get("start_time")) for a in content)
+
+
 def summary_from_logs(folder: Path, records: list[dict], events: list[dict],
                       attempts: list[dict], reason: str) -> dict[str, Any]:
-    """build_summary, but ending at the logs' last line rather than now."""
+    """build_summary, but ending at the logs' last line rather than now, and over the lines
+    that were kept (build_summary reads a copy of them, never the corrupt or foreign ones)."""
     start = fit_start_time(records, events, attempts)
     end = max([r["time"] for r in records] + [e["time"] for e in events])
-    summary = build_summary(folder, start_time=start)
+    with tempfile.TemporaryDirectory(prefix="elastic-train-report-") as clean:
+        for name, lines in (("metrics.jsonl", records), ("events.jsonl", events)):
+            Path(clean, name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+        Path(clean, "attempts.json").write_text(json.dumps(attempts))
+        summary = build_summary(clean, start_time=start)
     wall = max(end - start, 1e-9)
     fit_real = sum(r["real_tokens"] for r in effective_records(records).values()
                    if r["time"] >= start)
@@ -90,28 +164,36 @@ def summary_from_logs(folder: Path, records: list[dict], events: list[dict],
 
 
 def load_run(folder: str | Path) -> RunFiles:
-    """Parse a run folder; FileNotFoundError when it has no (or an empty) metrics.jsonl."""
+    """Parse a run folder; FileNotFoundError when it has no step logged, ValueError naming a
+    corrupt attempts.json or summary.json."""
     folder = Path(folder)
     metrics = folder / "metrics.jsonl"
+    if folder.exists() and not folder.is_dir():
+        raise FileNotFoundError(f"run folder {folder} is a file, not a run folder")
     if not folder.is_dir():
         raise FileNotFoundError(f"run folder {folder} does not exist")
-    records = read_jsonl(metrics)
+    records, skipped_records = read_lines(metrics, is_record)
     if not records:
-        what = "no metrics.jsonl" if not metrics.is_file() else "an empty metrics.jsonl"
+        what = ("no metrics.jsonl" if not metrics.is_file() else
+                f"no step in {metrics} ({skipped_records} corrupt or foreign lines)"
+                if skipped_records else "an empty metrics.jsonl")
         raise FileNotFoundError(f"run folder {folder} has {what}: no step was logged yet")
-    events = read_jsonl(folder / "events.jsonl")
+    events, skipped_events = read_lines(folder / "events.jsonl", is_event)
+    skipped = {name: n for name, n in (("metrics.jsonl", skipped_records),
+                                       ("events.jsonl", skipped_events)) if n}
     attempts_path = folder / "attempts.json"
-    attempts = json.loads(attempts_path.read_text()) if attempts_path.is_file() else []
+    attempts = (_read_json_file(attempts_path, _is_attempts, "a list of attempts")
+                if attempts_path.is_file() else [])
     summary_path = folder / "summary.json"
     if not summary_path.is_file():
         source = "computed from the logs: no summary.json (still running, or the driver died)"
     elif summary_path.stat().st_mtime + 1.0 < metrics.stat().st_mtime:
         source = "computed from the logs: summary.json is older than metrics.jsonl (resumed run)"
     else:
-        return RunFiles(folder, records, events, attempts, json.loads(summary_path.read_text()),
-                        "summary.json")
+        summary = _read_json_file(summary_path, lambda c: isinstance(c, dict), "a JSON object")
+        return RunFiles(folder, records, events, attempts, summary, "summary.json", skipped)
     summary = summary_from_logs(folder, records, events, attempts, source)
-    return RunFiles(folder, records, events, attempts, summary, source)
+    return RunFiles(folder, records, events, attempts, summary, source, skipped)
 
 
 def by_attempt(records: list[dict]) -> dict[int, list[dict]]:
@@ -287,6 +369,8 @@ def make_report(folder: str | Path, console=None) -> Report:
 
     run = load_run(folder)
     console = console or Console()
+    for name, count in run.skipped.items():
+        console.print(f"skipped {count} corrupt or foreign line(s) of {run.folder / name}")
     console.print(build_table(run))
     marks = find_marks(run.records, run.attempts)
     loss_png, throughput_png = run.folder / "loss.png", run.folder / "throughput.png"

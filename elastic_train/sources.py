@@ -3,8 +3,10 @@ documents, the texts of JSONL and Parquet records, and `gather_rows`, which toke
 
 Inputs are files or folders. A folder is searched recursively (hidden and cache folders
 skipped) for text files (`TEXT_SUFFIXES`) and record files (`.jsonl`, `.parquet`). A file named
-directly is taken whatever its suffix, unless it looks binary (a NUL byte, or not UTF-8, in
-its first 8 KiB): then it is refused, as is an empty path (which would mean the current folder).
+directly is taken whatever its suffix. A text file that looks binary (a NUL byte, or not UTF-8,
+in its first 8 KiB: a `.so` or `.png` named directly, say) is skipped, and counted so that the
+caller can say so. An empty path (which would mean the current folder) is refused. A text file
+of only whitespace gives no rows, like an empty one.
 
 Text files are cut at natural boundaries: in Python source every def, async def and class, at
 any indentation, starts a document (with the decorators and comments directly above it), and
@@ -178,11 +180,12 @@ def _files_under(folder: Path) -> list[Path]:
     return sorted(found, key=lambda path: path.relative_to(folder).as_posix())
 
 
-def collect_input_files(inputs: Iterable[PathLike]) -> list[Path]:
+def collect_input_files(inputs: Iterable[PathLike],
+                        skipped: list[tuple[Path, str]] | None = None) -> list[Path]:
     """Expand inputs (files taken as given, folders searched) into unique files, in order.
+    Text files that look binary are left out, and appended to `skipped` with the reason.
 
-    Raises ValueError naming the input for an empty path, a missing one, or a file named
-    directly that looks binary."""
+    Raises ValueError naming the input for an empty path or a missing one."""
     files: list[Path] = []
     seen: set[Path] = set()
     for item in inputs:
@@ -191,15 +194,16 @@ def collect_input_files(inputs: Iterable[PathLike]) -> list[Path]:
         path = Path(item)
         if not path.exists():
             raise ValueError(f"input '{path}' does not exist")
-        if path.is_file() and path.suffix.lower() not in RECORD_SUFFIXES:
-            why = _looks_binary(path)
-            if why:
-                raise ValueError(f"input '{path}' is not a text file: {why} (give text files, "
-                                 ".jsonl or .parquet files, or folders of them)")
         for file in [path] if path.is_file() else _files_under(path):
-            if file.resolve() not in seen:
-                seen.add(file.resolve())
-                files.append(file)
+            if file.resolve() in seen:
+                continue
+            seen.add(file.resolve())
+            why = None if file.suffix.lower() in RECORD_SUFFIXES else _looks_binary(file)
+            if why:
+                if skipped is not None:
+                    skipped.append((file, why))
+                continue
+            files.append(file)
     return files
 
 
@@ -281,6 +285,8 @@ class _RowBuffer:
 def _text_file_rows(file: Path, tokenizer: Tokenizer, max_seq_len: int) -> Iterator[np.ndarray]:
     """The rows of a text file: its bytes, or its documents' tokens with the EOS after each."""
     data = file.read_bytes()
+    if not data.strip():  # only whitespace: nothing to learn from, like an empty file
+        return
     python = file.suffix.lower() == ".py"
     if tokenizer.kind == "bytes":
         buffer = np.frombuffer(data, dtype=np.uint8)

@@ -126,3 +126,40 @@ def test_cli_refuses_a_run_whose_checkpoint_is_of_another_model(tmp_path, small_
                                "fit the configured model: parameter 'blocks.0.attn.proj.weight' "
                                "has shape [32, 32] in the checkpoint and [64, 64]"), lines[0]
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
+def test_every_float_key_refuses_inf_and_nan():
+    """No float setting can usefully be infinite or nan: each is refused by its dotted name."""
+    import dataclasses
+
+    cfg = load_config()
+    floats = [f"{section.name}.{f.name}" for section in dataclasses.fields(cfg)
+              for f in dataclasses.fields(getattr(cfg, section.name))
+              if isinstance(getattr(getattr(cfg, section.name), f.name), float)]
+    assert "optim.lr" in floats and len(floats) >= 12
+    for key in floats:
+        for value in (".inf", "-.inf", ".nan"):
+            with pytest.raises(ConfigError, match=rf"^{key.replace('.', '[.]')} must be"):
+                load_config(None, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "a\\b", " x", "", "x\x00y"])
+def test_run_name_is_a_plain_folder_name(name):
+    with pytest.raises(ConfigError, match="run.name must be a plain folder name"):
+        load_config(None, {"run.name": name})
+    assert load_config(None, {"run.name": "my-run_2.v1"}).run.name == "my-run_2.v1"
+
+
+def test_config_file_not_utf8_or_a_folder_is_named(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"config file '{path}' is not UTF-8 text"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=f"config file '{tmp_path}' is a folder"):
+        load_config(tmp_path)
+
+
+def test_empty_section_in_a_file_takes_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\ntrain:\n")
+    assert load_config(path, ["run.name=x"]).run.name == "x"

@@ -108,6 +108,7 @@ def test_round_trip_reconstructs_every_file(tmp_path):
     assert stats == {"rows": len(table), "tokens": total_bytes, "max_seq_len": 64,
                      "shards": len(list((tmp_path / "out").glob("part-*.parquet"))),
                      "source_files": 4,  # the empty file was read too
+                     "skipped_binary_files": 0,
                      "tokenizer": BYTES_RECORD, "token_type": "int16",
                      "max_token_id": max(max(path.read_bytes()) for path in files)}
     assert table.schema.field("tokens").type == pa.list_(pa.int16())
@@ -565,12 +566,16 @@ def bad_input(case: str, root: Path) -> tuple[list[str], list[str]]:
                                            "it has: body, n"]
     if case == "empty path":
         return [""], ["input '' is an empty path"]
+    # Binary files are skipped with a warning that counts them (tests/test_bad_input.py); only
+    # binary files: no text at all.
     if case == "png":
         (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
-        return [str(root / "image.png")], [f"input '{root / 'image.png'}' is not a text file"]
+        return [str(root / "image.png")], [f"no input text found in '{root / 'image.png'}' "
+                                           "(skipped 1 binary file(s))"]
     assert case == "shared library"
     (root / "lib.so").write_bytes(b"\x7fELF\x02\x01\x01" + bytes(range(256)))
-    return [str(good), str(root / "lib.so")], [f"input '{root / 'lib.so'}' is not a text file"]
+    return [str(root / "lib.so")], [f"no input text found in '{root / 'lib.so'}' "
+                                    "(skipped 1 binary file(s))"]
 
 
 @pytest.mark.parametrize("case", [

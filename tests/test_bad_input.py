@@ -1,0 +1,597 @@
+"""Bad input through the real command line: one `error:` line naming the culprit, exit 2, and every
+file that existed before byte for byte the same after (issue 18).
+
+The table runs `elastic_train.cli.main` in-process (every one of these errors must come before
+Ray starts, and `init_ray` is replaced by a tripwire to prove it); a few cases run the installed
+console script in a subprocess for its real exit status and stderr. The `ray` test trains on a
+local cluster of its own while a second Ray cluster runs on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from elastic_train.cli import main
+
+TINY = [
+    "model.n_layer=1", "model.d_model=32", "model.n_head=2",
+    "data.max_seq_len=128", "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096",
+    "log.progress=none", "scaling.health_check_interval_s=0.1",
+]
+BIN = Path(sys.executable).parent
+
+
+# ---- the data sets and run folders the cases start from ----
+
+def shard(path: Path, ids: list, lengths: list[int] | None = None, id_type=None) -> Path:
+    """A Parquet shard with the required columns; token ids are small bytes."""
+    lengths = lengths or [4] * len(ids)
+    tokens = [[(i % 200) + 1 for i in range(n)] for n in lengths]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": pa.array(ids, id_type or pa.int64()),
+                             "tokens": pa.array(tokens, pa.list_(pa.int32())),
+                             "length": pa.array(lengths, pa.int32())}), path)
+    return path
+
+
+def dataset(root: Path, *shards_ids: list) -> str:
+    """A folder of shards, one per list of ids."""
+    for k, ids in enumerate(shards_ids):
+        shard(root / f"part-{k:05d}.parquet", ids)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def good_data(tmp_path_factory) -> str:
+    """A small prepared data set (bytes): prepare's shards and `_prepare.json`."""
+    from elastic_train.prepare import prepare
+
+    src = tmp_path_factory.mktemp("src")
+    for k in range(3):
+        (src / f"doc{k}.txt").write_text("\n\n".join(f"paragraph {k}.{j} " * 8 for j in range(60)))
+    out = tmp_path_factory.mktemp("data") / "good"
+    prepare([src], out, max_seq_len=128, rows_per_shard=16)  # a row group each, 8 at least
+    return str(out)
+
+
+def resumable_run(storage: Path, data: str, name: str = "r") -> Path:
+    """A run folder whose checkpoint was trained on `data` with the TINY config (as check_inputs
+    resolves it), with the `dataset.json` a fit writes; no Ray."""
+    import torch
+
+    from elastic_train.api import check_inputs
+    from elastic_train.checkpoint import snapshot, write_checkpoint
+    from elastic_train.checks import IDENTITY_FILE, data_identity
+    from elastic_train.config import load_config
+    from elastic_train.model import build_model
+
+    cfg = load_config(None, [*TINY, f"data.path={data}", f"run.storage_path={storage}",
+                             f"run.name={name}"])
+    info = check_inputs(cfg)
+    model = build_model(cfg.model, cfg.data.max_seq_len)
+    snap = snapshot(model, torch.optim.AdamW(model.parameters()), None,
+                    {"step": 2, "epoch": 0, "step_in_epoch": 2}, cfg.to_dict(), world_size=2)
+    run = storage / name
+    write_checkpoint(snap, run / "checkpoint_000000002")
+    (run / IDENTITY_FILE).write_text(json.dumps(data_identity(cfg, info)))
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    return run
+
+
+def report_run(folder: Path, metrics: str, **files: str) -> str:
+    """A run folder for `report` with the given metrics.jsonl text and other files."""
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text(metrics)
+    for name, text in files.items():
+        (folder / name.replace("_", ".", 1)).write_text(text)
+    return str(folder)
+
+
+GOOD_RECORD = {"step": 1, "epoch": 0, "time": 1000.0, "attempt": 0, "world_size": 2, "loss": 5.0,
+               "lr": 1e-3, "real_tokens": 100, "padded_tokens": 120, "step_time_s": 0.5,
+               "data_wait_s": 0.01, "tokens_per_s": 200.0, "skipped_steps": 0}
+
+
+# ---- the table ----
+
+@dataclass
+class Case:
+    name: str
+    build: Callable[[Path, str], list[str]]  # (tmp folder, good data set) -> argv
+    culprit: str  # a part of the error line that names what is wrong
+
+
+def train(*overrides: str) -> Callable[[Path, str], list[str]]:
+    """`train` with the TINY config on the good data set in tmp/runs, plus `overrides`."""
+    return lambda tmp, data: ["train", *TINY, f"data.path={data}", f"run.storage_path={tmp / 'runs'}",
+                              "run.name=t", *overrides]
+
+
+def train_with(make: Callable[[Path, str], list[str]]) -> Callable[[Path, str], list[str]]:
+    """`train` with overrides that `make` derives after setting up files in tmp."""
+    return lambda tmp, data: train(*make(tmp, data))(tmp, data)
+
+
+def config_file(text: bytes) -> Callable[[Path, str], list[str]]:
+    def build(tmp: Path, data: str) -> list[str]:
+        (tmp / "c.yaml").write_bytes(text)
+        return ["train", "--config", str(tmp / "c.yaml"), f"data.path={data}"]
+    return build
+
+
+def with_file(name: str, content: bytes, *overrides: str):
+    """Write tmp/name, then train with overrides (`{f}` in them is that file's path)."""
+    def make(tmp: Path, data: str) -> list[str]:
+        path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+        return [o.replace("{f}", str(path)).replace("{tmp}", str(tmp)) for o in overrides]
+    return train_with(make)
+
+
+def data_case(make_data: Callable[[Path, str], str], *overrides: str):
+    return train_with(lambda tmp, data: [f"data.path={make_data(tmp, data)}", *overrides])
+
+
+def truncated(tmp: Path, data: str) -> str:
+    root = tmp / "trunc"
+    dataset(root, [0, 1, 2], [3, 4, 5])
+    blob = (root / "part-00001.parquet").read_bytes()
+    (root / "part-00001.parquet").write_bytes(blob[: len(blob) // 2])
+    return str(root)
+
+
+def corrupt_prepare_json(tmp: Path, data: str) -> str:
+    root = tmp / "cp"
+    dataset(root, [0, 1])
+    (root / "_prepare.json").write_text("{not json")
+    return str(root)
+
+
+def resume(*overrides: str, before: Callable[[Path], None] | None = None):
+    def make(tmp: Path, data: str) -> list[str]:
+        run = resumable_run(tmp / "runs", data, "t")
+        if before:
+            before(run)
+        return list(overrides)
+    return train_with(make)
+
+
+def resume_on_a_copy(tmp: Path, data: str) -> list[str]:
+    """A resumable run, resumed on a copy of its data set at another path."""
+    import shutil
+
+    resumable_run(tmp / "runs", data, "t")
+    shutil.copytree(data, tmp / "copy")
+    return [f"data.path={tmp / 'copy'}"]
+
+
+def empty_folder(tmp: Path, data: str) -> str:
+    (tmp / "e").mkdir()
+    return str(tmp / "e")
+
+
+def no_tokens_column(tmp: Path, data: str) -> str:
+    pq.write_table(pa.table({"id": [0], "length": [1]}), tmp / "x.parquet")
+    return str(tmp / "x.parquet")
+
+
+def prepare_case(make: Callable[[Path], list[str]]) -> Callable[[Path, str], list[str]]:
+    return lambda tmp, data: ["prepare", *make(tmp)]
+
+
+def files(tmp: Path, **named: bytes) -> list[str]:
+    for name, content in named.items():
+        (tmp / name.replace("_", ".")).write_bytes(content)
+    return [str(tmp / name.replace("_", ".")) for name in named]
+
+
+def report_case(make: Callable[[Path], str]) -> Callable[[Path, str], list[str]]:
+    return lambda tmp, data: ["report", make(tmp)]
+
+
+GOOD_LINE = json.dumps(GOOD_RECORD) + "\n"
+PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256))
+ELF = b"\x7fELF\x02\x01\x01\x00" + bytes(range(256))
+
+CASES = [
+    # config values (ranges)
+    Case("run.name=..", train("run.name=.."), "run.name"),
+    Case("run.name=.", train("run.name=."), "run.name"),
+    Case("run.name with a slash", train("run.name=a/b"), "run.name"),
+    Case("run.name empty", train("run.name=''"), "run.name"),
+    Case("optim.lr=inf", train("optim.lr=inf"), "optim.lr"),
+    Case("optim.lr=nan", train("optim.lr=.nan"), "optim.lr"),
+    Case("optim.lr=0", train("optim.lr=0"), "optim.lr"),
+    Case("optim.beta1=2", train("optim.beta1=2"), "optim.beta1"),
+    Case("optim.beta2<0", train("optim.beta2=-0.1"), "optim.beta2"),
+    Case("optim.weight_decay<0", train("optim.weight_decay=-1"), "optim.weight_decay"),
+    Case("optim.min_lr_ratio=2", train("optim.min_lr_ratio=2"), "optim.min_lr_ratio"),
+    Case("optim.warmup_steps<0", train("optim.warmup_steps=-1"), "optim.warmup_steps"),
+    Case("optim.name=sgd", train("optim.name=sgd"), "optim.name"),
+    Case("model.n_layer=0", train("model.n_layer=0"), "model.n_layer"),
+    Case("model.n_head=0", train("model.n_head=0"), "model.n_head"),
+    Case("model.d_model=0", train("model.d_model=0"), "model.d_model"),
+    Case("model.d_model not divisible", train("model.d_model=33"), "model.d_model"),
+    Case("model.dropout=1", train("model.dropout=1"), "model.dropout"),
+    Case("model.vocab_size=0", train("model.vocab_size=0"), "model.vocab_size"),
+    Case("scaling.torch_threads=0", train("scaling.torch_threads=0"), "scaling.torch_threads"),
+    Case("scaling.min_workers=0", train("scaling.min_workers=0"), "scaling.min_workers"),
+    Case("scaling.min>max", train("scaling.max_workers=1"), "scaling.min_workers"),
+    Case("scaling.cpus_per_worker=0", train("scaling.cpus_per_worker=0"), "scaling.cpus_per_worker"),
+    Case("scaling.max_failures=-2", train("scaling.max_failures=-2"), "scaling.max_failures"),
+    Case("scaling.health_check_interval_s=0", train("scaling.health_check_interval_s=0"),
+         "scaling.health_check_interval_s"),
+    Case("scaling.worker_group_start_timeout_s<0", train("scaling.worker_group_start_timeout_s=-1"),
+         "scaling.worker_group_start_timeout_s"),
+    Case("scaling.resources_per_worker<0", train("scaling.resources_per_worker={slot: -1}"),
+         "scaling.resources_per_worker.slot"),
+    Case("scaling.resources_per_worker GPU", train("scaling.resources_per_worker={GPU: 1}"),
+         "scaling.resources_per_worker.GPU"),
+    Case("scaling.use_gpu without a GPU", train("scaling.use_gpu=true"), "scaling.use_gpu"),
+    Case("checkpoint.every_steps<0", train("checkpoint.every_steps=-5"), "checkpoint.every_steps"),
+    Case("checkpoint.keep=0", train("checkpoint.keep=0"), "checkpoint.keep"),
+    Case("train.max_steps=0", train("train.max_steps=0"), "train.max_steps"),
+    Case("train.epochs=0", train("train.epochs=0"), "train.epochs"),
+    Case("train.grad_clip<0", train("train.grad_clip=-1"), "train.grad_clip"),
+    Case("train.seed<0", train("train.seed=-1"), "train.seed"),
+    Case("train.precision=fp16 on CPU", train("train.precision=fp16"), "train.precision=fp16"),
+    Case("train.max_steps=abc", train("train.max_steps=abc"), "train.max_steps"),
+    Case("data.seed<0", train("data.seed=-1"), "data.seed"),
+    Case("data.max_seq_len=1", train("data.max_seq_len=1"), "data.max_seq_len"),
+    Case("data.micro_batch_tokens<max_seq_len", train("data.micro_batch_tokens=100"),
+         "data.micro_batch_tokens"),
+    Case("data.global_batch_tokens not a multiple", train("data.global_batch_tokens=5000"),
+         "data.global_batch_tokens"),
+    Case("data.shuffle_window=0", train("data.shuffle_window=0"), "data.shuffle_window"),
+    Case("data.prefetch_steps=0", train("data.prefetch_steps=0"), "data.prefetch_steps"),
+    Case("data.pad_id<0", train("data.pad_id=-1"), "data.pad_id"),
+    Case("data.reader unknown", train("data.reader=arrow"), "data.reader"),
+    Case("data.on_change unknown", train("data.on_change=maybe"), "data.on_change"),
+    Case("fault.crash_rank beyond the workers", train("fault.crash_rank=7"), "fault.crash_rank"),
+    Case("fault.crash_at_step=0", train("fault.crash_at_step=0"), "fault.crash_at_step"),
+    Case("log.print_every_steps=0", train("log.print_every_steps=0"), "log.print_every_steps"),
+    Case("log.progress unknown", train("log.progress=fancy"), "log.progress"),
+    Case("log.peak_flops=0", train("log.peak_flops=0"), "log.peak_flops"),
+    Case("run.num_cpus=0", train("run.num_cpus=0"), "run.num_cpus"),
+    Case("unknown key", train("optim.lrr=1"), "optim.lrr"),
+    Case("override without =", train("optim.lr"), "optim.lr"),
+    # storage
+    Case("storage under a file", with_file("afile", b"x", "run.storage_path={f}/runs"),
+         "run.storage_path"),
+    Case("storage is a file", with_file("afile", b"x", "run.storage_path={f}"), "run.storage_path"),
+    Case("storage URI scheme unknown", train("run.storage_path=bogus://bucket/runs"),
+         "run.storage_path"),
+    Case("run folder is a file", with_file("runs/t", b"x"), "run.name"),
+    # config files
+    Case("config not UTF-8", config_file(b"run:\n  name: \xff\xfe\n"), "c.yaml"),
+    Case("config not YAML", config_file(b"run: [\n"), "c.yaml"),
+    Case("config top level a list", config_file(b"- 1\n- 2\n"), "c.yaml"),
+    Case("config unknown section", config_file(b"runn:\n  name: x\n"), "runn"),
+    Case("config missing", lambda tmp, data: ["train", "--config", str(tmp / "nope.yaml")], "nope.yaml"),
+    Case("config is a folder", lambda tmp, data: ["train", "--config", str(tmp)], "is a folder"),
+    # data
+    Case("data.path missing", train_with(lambda tmp, d: [f"data.path={tmp / 'nope'}"]), "nope"),
+    Case("data.path holds no shards", data_case(empty_folder), "contains no .parquet files"),
+    Case("truncated shard", data_case(truncated), "part-00001.parquet"),
+    Case("shard without tokens", data_case(no_tokens_column), "tokens"),
+    Case("ids repeated across shards", data_case(lambda tmp, d: dataset(tmp / "rep", [0, 1, 2], [2, 3])),
+         "sample id 2 appears more than once"),
+    Case("negative id", data_case(lambda tmp, d: dataset(tmp / "neg", [0, 1], [2, -3])),
+         "sample id -3 is negative"),
+    Case("null id", data_case(lambda tmp, d: dataset(tmp / "null", [0, None, 2])),
+         "row 1: sample id is null"),
+    Case("float ids", data_case(lambda tmp, d: str(shard(tmp / "f" / "p.parquet", [0.0, 1.0],
+                                                         id_type=pa.float64()))), "column 'id'"),
+    Case("vocabulary smaller than the data's token ids", train("model.vocab_size=100"), "model"),
+    Case("corrupt _prepare.json", data_case(corrupt_prepare_json), "_prepare.json"),
+    Case("rows longer than data.max_seq_len", train("data.max_seq_len=64", "data.micro_batch_tokens=512",
+                                                    "data.global_batch_tokens=2048"), "data.max_seq_len"),
+    Case("model import path missing", train("model.name=no_such_module:build"), "no_such_module"),
+    Case("hf without model.path", train("model.name=hf"), "model.path"),
+    # resume
+    Case("corrupt checkpoint state.json", resume(before=lambda run: (
+        run / "checkpoint_000000002" / "state.json").write_text('{"cut')), "state.json"),
+    Case("resume with another data.seed", resume("data.seed=5"), "data.seed"),
+    Case("resume with another data.path", train_with(resume_on_a_copy), "data.path"),
+    Case("resume with another batch budget", resume("data.global_batch_tokens=2048"), "partition count"),
+    Case("resume with other shards", resume(before=lambda run: (run / "dataset.json").write_text(
+        json.dumps({**json.loads((run / "dataset.json").read_text()),
+                    "shards": [["part-00000.parquet", 1]]}))), "shards changed"),
+    Case("resume another model", resume("model.d_model=64"), "does not fit the configured model"),
+    # prepare
+    Case("prepare empty input", prepare_case(lambda tmp: ["", "--output", str(tmp / "out")]), "input ''"),
+    Case("prepare empty output", prepare_case(lambda tmp: [*files(tmp, a_txt=b"hello"), "--output", ""]),
+         "--output"),
+    Case("prepare only binary files", prepare_case(lambda tmp: [
+        *files(tmp, lib_so=ELF, image_png=PNG), "--output", str(tmp / "out")]), "no input text found"),
+    Case("prepare whitespace-only file", prepare_case(lambda tmp: [
+        *files(tmp, blank_txt=b"  \n\n\t \n"), "--output", str(tmp / "out")]), "no input text found"),
+    Case("prepare missing input", prepare_case(lambda tmp: [str(tmp / "nope"), "--output", str(tmp / "o")]),
+         "nope"),
+    Case("prepare negative seed", prepare_case(lambda tmp: [
+        *files(tmp, a_txt=b"hello"), "--seed", "-1", "--output", str(tmp / "out")]), "--seed"),
+    Case("prepare max-seq-len 0", prepare_case(lambda tmp: [
+        *files(tmp, a_txt=b"hello"), "--max-seq-len", "0", "--output", str(tmp / "out")]), "max_seq_len"),
+    Case("prepare output is a file", prepare_case(lambda tmp: [
+        *files(tmp, a_txt=b"hello", out_bin=b"x"), "--output", str(tmp / "out.bin")]), "out.bin"),
+    Case("prepare output under a file", prepare_case(lambda tmp: [
+        *files(tmp, a_txt=b"hello", f_bin=b"x"), "--output", str(tmp / "f.bin" / "out")]), "f.bin"),
+    Case("prepare output holds shards", prepare_case(lambda tmp: [
+        *files(tmp, a_txt=b"hello"), "--output", str(shard(tmp / "o" / "p.parquet", [0]).parent)]),
+         "already contains Parquet files"),
+    Case("prepare jsonl not json", prepare_case(lambda tmp: [
+        *files(tmp, a_jsonl=b'{"text": oops}\n'), "--output", str(tmp / "out")]), "a.jsonl"),
+    # report
+    Case("report missing folder", report_case(lambda tmp: str(tmp / "nope")), "nope"),
+    Case("report folder is a file", report_case(lambda tmp: files(tmp, f_txt=b"x")[0]), "f.txt"),
+    Case("report empty metrics", report_case(lambda tmp: report_run(tmp / "r", "")), "metrics.jsonl"),
+    Case("report only corrupt lines", report_case(lambda tmp: report_run(
+        tmp / "r", '{"step": 1, "lo\n[1, 2]\n{"step": "x"}\n')), "3 corrupt or foreign lines"),
+    Case("report corrupt attempts.json", report_case(lambda tmp: report_run(
+        tmp / "r", GOOD_LINE, attempts_json="[{")), "attempts.json"),
+    Case("report foreign attempts.json", report_case(lambda tmp: report_run(
+        tmp / "r", GOOD_LINE, attempts_json='{"a": 1}')), "attempts.json"),
+    Case("report corrupt summary.json", report_case(lambda tmp: report_run(
+        tmp / "r", GOOD_LINE, summary_json="{\"status\": ")), "summary.json"),
+]
+
+
+def snapshot_files(*roots: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for root in roots for p in sorted(Path(root).rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """A tripwire: any case that gets as far as starting Ray fails loudly."""
+    import elastic_train.api
+
+    def tripwire(cfg):
+        raise AssertionError("the input was accepted: Ray would start now")
+
+    monkeypatch.setattr(elastic_train.api, "init_ray", tripwire)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+@pytest.mark.unit
+def test_the_table_is_large():
+    assert len(CASES) >= 60 and len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_is_one_error_line_and_no_file_changes(case: Case, tmp_path, good_data, capsys,
+                                                         no_ray):
+    argv = case.build(tmp_path, good_data)
+    before = snapshot_files(tmp_path, Path(good_data))
+    code = main(argv)
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert code == 2, captured.err
+    assert len(errors) == 1 and "Traceback" not in captured.err, captured.err
+    assert case.culprit in errors[0], errors[0]
+    assert snapshot_files(tmp_path, Path(good_data)) == before
+
+
+# ---- the two harmful cases of the issue, each a test of its own ----
+
+@pytest.mark.unit
+def test_run_name_dotdot_leaves_the_users_files_alone(tmp_path, good_data, capsys, no_ray):
+    """`run.name=..` once wrote the run into the parent of run.storage_path, renaming the user's
+    config.yaml there; now it is refused before anything is written."""
+    home = tmp_path / "project"
+    (home / "runs").mkdir(parents=True)
+    (home / "config.yaml").write_text("my: own config\n")
+    before = snapshot_files(tmp_path)
+    for name in ("..", "."):
+        code = main(["train", *TINY, f"data.path={good_data}", f"run.storage_path={home / 'runs'}",
+                     f"run.name={name}"])
+        assert code == 2 and "run.name must be a plain folder name" in capsys.readouterr().err
+    assert snapshot_files(tmp_path) == before
+    assert sorted(p.name for p in home.iterdir()) == ["config.yaml", "runs"]
+
+
+@pytest.mark.unit
+def test_repeated_or_negative_ids_are_refused_before_training(tmp_path, capsys, no_ray):
+    """Shards that repeat ids once trained to "finished" with samples trained twice; the ids are
+    checked before Ray starts, naming the id and where it is."""
+    repeated = dataset(tmp_path / "rep", list(range(0, 50)), list(range(40, 82)))
+    negative = dataset(tmp_path / "neg", [0, 1, 2], [3, -4, 5])
+    runs = tmp_path / "runs"
+    code = main(["train", *TINY, f"data.path={repeated}", f"run.storage_path={runs}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "sample id 40 appears more than once" in err
+    assert "part-00000.parquet' row 40" in err and "part-00001.parquet' row 0" in err
+    code = main(["train", *TINY, f"data.path={negative}", f"run.storage_path={runs}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "part-00001.parquet' row 1: sample id -4 is negative" in err, err
+    assert not runs.exists()
+
+
+@pytest.mark.unit
+def test_prepare_skips_binary_files_with_a_count(tmp_path, capsys, caplog):
+    """Binary files, named directly or found in a folder with a text suffix, are skipped with one
+    warning that counts them; whitespace-only files give no rows."""
+    from elastic_train.prepare import inspect_dataset
+
+    (tmp_path / "in").mkdir()
+    inputs = files(tmp_path / "in", a_txt=b"some text\n\nmore text\n", lib_so=ELF, image_png=PNG,
+                   blank_txt=b" \n \n")
+    (tmp_path / "in" / "sub").mkdir()
+    (tmp_path / "in" / "sub" / "fake.txt").write_bytes(PNG)
+    code = main(["prepare", *inputs, str(tmp_path / "in" / "sub"), "--output", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    stats = json.loads(captured.out)
+    assert stats["skipped_binary_files"] == 3 and stats["source_files"] == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith("skipped 3 binary file(s)"), warnings
+    assert inspect_dataset(str(tmp_path / "out")).rows == 2
+
+
+@pytest.mark.unit
+def test_report_skips_corrupt_and_foreign_lines_with_a_count(tmp_path, capsys):
+    folder = report_run(tmp_path / "r", GOOD_LINE + '{"step": 2, "lo\n' + '["x"]\n'
+                        + json.dumps({**GOOD_RECORD, "step": 2, "time": 1001.0}) + "\n",
+                        events_jsonl='{"time": 999.0, "event": "fit_start"}\nnot json\n')
+    assert main(["report", folder]) == 0
+    out = capsys.readouterr().out.replace("\n", "")  # rich wraps long lines
+    assert f"skipped 2 corrupt or foreign line(s) of {folder}/metrics.jsonl" in out
+    assert f"skipped 1 corrupt or foreign line(s) of {folder}/events.jsonl" in out
+
+
+@pytest.mark.unit
+def test_resume_on_other_data_with_keep_position_is_allowed(tmp_path, good_data, caplog):
+    """data.on_change=keep_position: the user means it; the checks pass with a warning."""
+    from elastic_train.api import check_inputs
+    from elastic_train.config import load_config
+
+    resumable_run(tmp_path / "runs", good_data, "t")
+    cfg = load_config(None, [*TINY, f"data.path={good_data}", f"run.storage_path={tmp_path / 'runs'}",
+                             "run.name=t", "data.seed=3", "data.on_change=keep_position"])
+    check_inputs(cfg)
+    assert any("data.seed was 0, now 3" in r.getMessage() for r in caplog.records)
+    cfg.data.on_change = "refuse"
+    from elastic_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.seed was 0, now 3"):
+        check_inputs(cfg)
+
+
+@pytest.mark.unit
+def test_sample_ids_in_shuffled_order_are_checked_by_sorting(tmp_path):
+    """Ids that are unique but not in increasing ranges take the sorting pass, and pass."""
+    from elastic_train.checks import check_sample_ids
+    from elastic_train.prepare import inspect_dataset
+
+    ids = np.random.default_rng(0).permutation(1000).tolist()
+    check_sample_ids(inspect_dataset(dataset(tmp_path / "ok", ids[:600], ids[600:])))
+    with pytest.raises(ValueError, match=f"sample id {ids[5]} appears more than once"):
+        check_sample_ids(inspect_dataset(dataset(tmp_path / "bad", ids[:600], ids[600:] + [ids[5]])))
+
+
+@pytest.mark.unit
+def test_unreachable_storage_uri_times_out_with_one_line(monkeypatch):
+    """A bucket that never answers: the probe gives up after its timeout, naming the key."""
+    import threading
+
+    from elastic_train import checks
+    from elastic_train.config import ConfigError, load_config
+
+    release = threading.Event()
+    monkeypatch.setattr(checks, "_probe_uri", lambda uri: release.wait(30))
+    cfg = load_config(None, ["run.storage_path=s3://bucket/runs"])
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"run.storage_path: 's3://bucket/runs' did not answer"):
+        checks.check_storage(cfg, timeout_s=0.5)
+    release.set()
+    assert time.monotonic() - started < 5
+
+
+# ---- the installed console script, in a subprocess ----
+
+def _console(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run([str(BIN / "elastic-train"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env=env)
+
+
+@pytest.mark.parametrize("case", ["run.name=..", "ids repeated across shards", "prepare empty input",
+                                  "report only corrupt lines"])
+@pytest.mark.unit
+def test_console_script_exit_status_and_stderr(case, tmp_path, good_data):
+    chosen = next(c for c in CASES if c.name == case)
+    argv = chosen.build(tmp_path, good_data)
+    before = snapshot_files(tmp_path, Path(good_data))
+    proc = _console(*argv, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and chosen.culprit in lines[0], proc.stderr
+    assert snapshot_files(tmp_path, Path(good_data)) == before
+
+
+# ---- a second Ray cluster on the machine (ray) ----
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _end_session(proc: subprocess.Popen) -> None:
+    """End `ray start --block` and every process of the session it leads (its node's processes)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) == proc.pid:
+            try:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    proc.wait()
+
+
+@pytest.fixture
+def other_cluster(tmp_path_factory):
+    """A second Ray cluster on this machine, started by `ray start` (the latest one it records)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "token"
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("other") / "ray_start.log", "w")
+    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True,
+                   timeout=60)
+    proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", f"--port={port}",
+                             "--node-ip-address=127.0.0.1", "--num-cpus=1", "--include-dashboard=false"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run([str(BIN / "ray"), "status", "--address", f"127.0.0.1:{port}"], env=env,
+                             capture_output=True, timeout=60).returncode != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()[-3000:]
+            time.sleep(1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _end_session(proc)
+        log.close()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+def test_local_run_talks_only_to_its_own_cluster(other_cluster, tmp_path, good_data):
+    """With another Ray cluster on the machine, a run that starts its own local cluster trains
+    and finishes on it: no process of the run looks the other one up."""
+    proc = subprocess.run(
+        [str(BIN / "elastic-train"), "train", *TINY, f"data.path={good_data}",
+         f"run.storage_path={tmp_path}", "run.name=own", "train.max_steps=3",
+         "checkpoint.every_steps=0"],
+        capture_output=True, text=True, timeout=360, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "Found multiple active Ray instances" not in output, output[-4000:]
+    assert "Failed to register placement group" not in output
+    summary = json.loads((tmp_path / "own" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 3
