@@ -23,52 +23,10 @@ import pyarrow.parquet as pq
 
 from elastic_train.data import MicroBatch, arrow_to_columns, stack_rows
 from elastic_train.plan import StreamSpec, assign_blocks, bucket_window, window_rng, window_spans
+from elastic_train.rowgroups import BlockTable, build_block_table, read_row_group
 
 Cursor = tuple[int, int]  # (window index, micro-batches already taken from that window)
 MIN_BLOCKS_PER_PARTITION = 2
-
-
-@dataclass(frozen=True)
-class BlockTable:
-    """Every block of a data set: shard file (its path for workers), row group, rows, tokens."""
-
-    files: tuple[str, ...]
-    file_index: np.ndarray
-    row_group: np.ndarray
-    rows: np.ndarray
-    tokens: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-
-def _row_group_tokens(meta: pq.RowGroupMetaData, rows: int) -> int:
-    """Tokens of a row group from metadata: the `tokens` column's uncompressed values over their
-    width (an estimate within the size of the list offsets, good enough to balance by)."""
-    for i in range(meta.num_columns):
-        column = meta.column(i)
-        if column.path_in_schema.split(".")[0] == "tokens":
-            width = 4 if column.physical_type == "INT32" else 8 if column.physical_type == "INT64" else 2
-            return max(int(column.total_uncompressed_size) // width, rows)
-    return rows
-
-
-def build_block_table(filesystem: pafs.FileSystem, files: list[str], uris: list[str]) -> BlockTable:
-    """The blocks of shards `files` (paths inside `filesystem`; `uris` as workers open them),
-    from the Parquet footers only."""
-    index, groups, rows, tokens = [], [], [], []
-    for i, path in enumerate(files):
-        with filesystem.open_input_file(path) as handle:
-            meta = pq.ParquetFile(handle).metadata
-        for g in range(meta.num_row_groups):
-            n = meta.row_group(g).num_rows
-            if n:
-                index.append(i)
-                groups.append(g)
-                rows.append(n)
-                tokens.append(_row_group_tokens(meta.row_group(g), n))
-    as_array = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-    return BlockTable(tuple(uris), as_array(index), as_array(groups), as_array(rows), as_array(tokens))
 
 
 def check_blocks(table: BlockTable, num_partitions: int, shown: str) -> None:
@@ -91,7 +49,8 @@ class ReadCounter:
 
 
 class BlockReader:
-    """Reads whole blocks (row groups) of the shards; keeps the files it opened."""
+    """Reads whole blocks (row groups) of the shards with pyarrow, in this process, when asked;
+    keeps the files it opened."""
 
     def __init__(self, table: BlockTable, extra_columns: tuple[str, ...] = ()) -> None:
         self.table = table
@@ -100,28 +59,83 @@ class BlockReader:
         self.counter = ReadCounter()
         self._open: dict[int, pq.ParquetFile] = {}
 
-    def _file(self, i: int) -> pq.ParquetFile:
-        if i not in self._open:
-            uri = self.table.files[i]
-            if "://" in uri:
-                fs, path = pafs.FileSystem.from_uri(uri)
-                self._open[i] = pq.ParquetFile(fs.open_input_file(path))
-            else:
-                self._open[i] = pq.ParquetFile(uri)
-        return self._open[i]
+    def plan(self, windows: list[np.ndarray]) -> None:
+        """The windows (block arrays) this epoch will ask for, in about that order: a reader
+        that reads ahead starts on them (this one reads on demand)."""
+
+    def read_blocks(self, blocks: np.ndarray) -> list[pa.Table]:
+        out = []
+        for b in blocks:
+            rows, nbytes = read_row_group(self.table, int(b), self.columns, self._open)
+            self.counter.bytes += nbytes
+            out.append(rows)
+        return out
 
     def read(self, blocks: np.ndarray) -> dict[str, Any]:
         """The rows of `blocks`, in that order, as columns (see `data.arrow_to_columns`)."""
-        tables = []
-        for b in blocks:
-            pf, group = self._file(int(self.table.file_index[b])), int(self.table.row_group[b])
-            tables.append(pf.read_row_group(group, columns=self.columns))
-            meta = pf.metadata.row_group(group)
-            self.counter.rows += meta.num_rows
-            self.counter.bytes += sum(meta.column(i).total_compressed_size
-                                      for i in range(meta.num_columns)
-                                      if meta.column(i).path_in_schema.split(".")[0] in self.columns)
+        tables = self.read_blocks(blocks)
+        self.counter.rows += sum(t.num_rows for t in tables)
         return arrow_to_columns(pa.concat_tables(tables), self.extra_columns)
+
+    def close(self) -> None:
+        """Stop reading ahead (nothing to stop here)."""
+
+
+class RayDataBlockReader(BlockReader):
+    """Reads a rank's blocks with Ray Data (`data.reader=ray_data`): one dataset per epoch over the
+    blocks of its windows in the order `plan` gives, read by Ray tasks on any CPU of the cluster
+    and prefetched; `read` takes the blocks it needs from that stream, keeping the ones that came
+    early. The blocks and their rows are the same as the pyarrow reader's: only where and when
+    they are read changes, so the steps are the same to the bit."""
+
+    def __init__(self, table: BlockTable, extra_columns: tuple[str, ...] = (),
+                 prefetch_blocks: int = 8) -> None:
+        super().__init__(table, extra_columns)
+        self.prefetch_blocks = prefetch_blocks
+        self._stream: Iterator | None = None
+        self._early: dict[int, pa.Table] = {}
+
+    def plan(self, windows: list[np.ndarray]) -> None:
+        import ray.data
+
+        order = [int(b) for w in windows for b in w]
+        table, columns = self.table, self.columns
+
+        def read(batch: dict[str, np.ndarray]) -> pa.Table:
+            from elastic_train.rowgroups import read_row_group  # light: no torch in read tasks
+
+            rows, nbytes = read_row_group(table, int(batch["block"][0]), columns)
+            return rows.append_column("_block", pa.array(np.full(rows.num_rows, batch["block"][0])))\
+                .append_column("_bytes", pa.array(np.full(rows.num_rows, nbytes)))
+
+        context = ray.data.DataContext.get_current()
+        context.execution_options.preserve_order = True
+        context.enable_progress_bars = False
+        ds = ray.data.from_items([{"block": b} for b in order], override_num_blocks=len(order)).map_batches(
+            read, batch_size=1, batch_format="numpy", num_cpus=0.25, concurrency=2)
+        self._stream = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow",
+                                            prefetch_batches=self.prefetch_blocks))
+        self._early = {}
+
+    def read_blocks(self, blocks: np.ndarray) -> list[pa.Table]:
+        if self._stream is None:  # read without a plan: as the pyarrow reader does
+            return super().read_blocks(blocks)
+        wanted = [int(b) for b in blocks]
+        while any(b not in self._early for b in wanted):
+            batch = next(self._stream)
+            if batch.num_rows:
+                block = int(batch.column("_block")[0].as_py())
+                self.counter.bytes += int(batch.column("_bytes")[0].as_py())
+                self._early[block] = batch.drop_columns(["_block", "_bytes"])
+        return [self._early.pop(b) for b in wanted]
+
+    def close(self) -> None:
+        self._stream, self._early = None, {}
+
+
+def make_reader(kind: str, table: BlockTable, extra_columns: tuple[str, ...] = ()) -> BlockReader:
+    """The block reader of `data.reader`: pyarrow (in the worker) or ray_data (Ray Data tasks)."""
+    return (RayDataBlockReader if kind == "ray_data" else BlockReader)(table, extra_columns)
 
 
 @dataclass
@@ -173,11 +187,16 @@ def iter_rank_steps(
     """
     assignment = assign_blocks(reader.table.tokens, spec.num_partitions, spec.seed, epoch)
     cursors = dict(cursors or {})
-    live = {}
+    live, streams = {}, []
     for p in partitions:
         stream = PartitionStream(p, assignment[p], spec, epoch, reader, pad_id)
+        streams.append((stream, cursors.get(p, (0, 0))[0]))
         live[p] = stream.iter_from(cursors.get(p, (0, 0)))
         cursors.setdefault(p, (0, 0))
+    # The windows in about the order they will be asked for: window w of every partition, then w+1.
+    rounds = max((len(s.windows) - first for s, first in streams), default=0)
+    reader.plan([s.blocks[slice(*s.windows[first + k])] for k in range(rounds)
+                 for s, first in streams if first + k < len(s.windows)])
     while True:
         step = []
         for p in list(live):

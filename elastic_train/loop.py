@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_train.blocks import BlockReader, BlockTable, iter_rank_steps
+from elastic_train.blocks import BlockReader, BlockTable, iter_rank_steps, make_reader
 from elastic_train.checkpoint import load_checkpoint, snapshot
 from elastic_train.config import Config, num_partitions
 from elastic_train.data import MicroBatch, Prefetcher
@@ -431,7 +431,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     process = psutil.Process()
     state_logged = False  # optimizer-state bytes per parameter, logged once per attempt
     template = None  # a real micro-batch, for the dry-rank step (see dry_rank_batch)
-    reader = BlockReader(env.block_table, env.extra_columns)
+    reader = make_reader(cfg.data.reader, env.block_table, env.extra_columns)
     env.log_event({"event": "start", "attempt": attempt, "world_size": world_size,
                    "resumed_step": state.step, "rank": rank,
                    "utilisation": utilisation(num_partitions(cfg), world_size)})
@@ -497,6 +497,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                         env.checkpoint_committed(state.step)
         finally:
             stream.close()
+            reader.close()
     _log_reads(env, attempt, reader)
     save(env, cfg, t, final=True)
 

@@ -1,0 +1,78 @@
+"""Parquet row groups as blocks: the table of a data set's blocks, and reading one block.
+
+Only pyarrow and numpy here (no torch): Ray Data's read tasks (`blocks.RayDataBlockReader`) import
+this module in fresh worker processes, and a light import is most of their start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """Every block of a data set: shard file (its path for workers), row group, rows, tokens."""
+
+    files: tuple[str, ...]
+    file_index: np.ndarray
+    row_group: np.ndarray
+    rows: np.ndarray
+    tokens: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _row_group_tokens(meta: pq.RowGroupMetaData, rows: int) -> int:
+    """Tokens of a row group from metadata: the `tokens` column's uncompressed values over their
+    width (an estimate within the size of the list offsets, good enough to balance by)."""
+    for i in range(meta.num_columns):
+        column = meta.column(i)
+        if column.path_in_schema.split(".")[0] == "tokens":
+            width = 4 if column.physical_type == "INT32" else 8 if column.physical_type == "INT64" else 2
+            return max(int(column.total_uncompressed_size) // width, rows)
+    return rows
+
+
+def build_block_table(filesystem: pafs.FileSystem, files: list[str], uris: list[str]) -> BlockTable:
+    """The blocks of shards `files` (paths inside `filesystem`; `uris` as workers open them),
+    from the Parquet footers only."""
+    index, groups, rows, tokens = [], [], [], []
+    for i, path in enumerate(files):
+        with filesystem.open_input_file(path) as handle:
+            meta = pq.ParquetFile(handle).metadata
+        for g in range(meta.num_row_groups):
+            n = meta.row_group(g).num_rows
+            if n:
+                index.append(i)
+                groups.append(g)
+                rows.append(n)
+                tokens.append(_row_group_tokens(meta.row_group(g), n))
+    as_array = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    return BlockTable(tuple(uris), as_array(index), as_array(groups), as_array(rows), as_array(tokens))
+
+
+def read_row_group(table: BlockTable, block: int, columns: list[str],
+                   cache: dict[int, pq.ParquetFile] | None = None) -> tuple[pa.Table, int]:
+    """One block's rows (the `columns` asked for) and the compressed bytes read for them."""
+    i = int(table.file_index[block])
+    pf = (cache or {}).get(i)
+    if pf is None:
+        uri = table.files[i]
+        if "://" in uri:
+            fs, path = pafs.FileSystem.from_uri(uri)
+            pf = pq.ParquetFile(fs.open_input_file(path))
+        else:
+            pf = pq.ParquetFile(uri)
+        if cache is not None:
+            cache[i] = pf
+    group = int(table.row_group[block])
+    meta = pf.metadata.row_group(group)
+    nbytes = sum(meta.column(c).total_compressed_size for c in range(meta.num_columns)
+                 if meta.column(c).path_in_schema.split(".")[0] in columns)
+    return pf.read_row_group(group, columns=columns), nbytes
