@@ -1,7 +1,7 @@
 """The `elastic-train` command line: train, prepare, export, sample, report.
 
     elastic-train train [--config FILE.yaml] [dotted.key=value ...]
-    elastic-train prepare INPUT... --output DIR [--max-seq-len N]
+    elastic-train prepare INPUT... --output DIR [--max-seq-len N] [--engine auto|ray|local]
     elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME]
     elastic-train sample RUN_FOLDER --prompt TEXT [--max-new-tokens N]
     elastic-train report RUN_FOLDER
@@ -34,11 +34,19 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from elastic_train.prepare import prepare
+    import time
 
-    stats = prepare(args.inputs, args.output, max_seq_len=args.max_seq_len, seed=args.seed,
-                    rows_per_block=args.rows_per_block,
-                    tokenizer=args.tokenizer, text_field=args.text_field)
+    from elastic_train.prepare import prepare
+    from elastic_train.prepare_ray import choose_engine, prepare_ray, summary_line
+
+    started = time.perf_counter()
+    engine = choose_engine(args.engine, args.inputs)
+    run = prepare_ray if engine == "ray" else prepare  # the same shards either way
+    stats = run(args.inputs, args.output, max_seq_len=args.max_seq_len, seed=args.seed,
+                rows_per_block=args.rows_per_block,
+                tokenizer=args.tokenizer, text_field=args.text_field)
+    if engine == "local":  # prepare_ray prints its own final line
+        print(summary_line(stats, time.perf_counter() - started), file=sys.stderr)
     print(json.dumps(stats))
     return 0
 
@@ -84,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: UTF-8 bytes)")
     p.add_argument("--text-field", default="text",
                    help="the text field of JSONL records and column of Parquet files")
+    p.add_argument("--engine", choices=("auto", "ray", "local"), default="auto",
+                   help="ray: a Ray Data pipeline on every CPU of the cluster (RAY_ADDRESS's, else a "
+                        "local one); local: one process; auto: ray when RAY_ADDRESS is set or the "
+                        "inputs hold 64 MiB or more. The shards are the same")
     p.set_defaults(func=_prepare)
     p = sub.add_parser("export", help="the trained model -> a folder transformers or safetensors loads")
     p.add_argument("run_folder")

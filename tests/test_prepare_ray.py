@@ -1,0 +1,176 @@
+"""Tests for elastic_train.prepare_ray: the Ray Data `prepare` gives the shards of the
+single-process `prepare`, whatever the run and the parallelism."""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+from elastic_train import prepare_ray as prepare_ray_module
+from elastic_train.blocks import build_block_table
+from elastic_train.cli import main as cli_main
+from elastic_train.prepare import inspect_dataset, prepare
+from elastic_train.prepare_ray import choose_engine, prepare_ray
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+ARGS = {"max_seq_len": 64, "rows_per_shard": 150, "rows_per_block": 16, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def ray_2cpu():
+    """One local Ray cluster of 2 CPUs for the module; prepare_ray joins it."""
+    import ray
+    import ray.data
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> list[str]:
+    """Python and prose text files, a JSONL and a Parquet file (with empty and null texts)."""
+    root = tmp_path_factory.mktemp("inputs")
+    texts = [f"Record {i}: " + "some words here " * (i % 7 + 1) for i in range(40)]
+    (root / "notes.txt").write_text("\n\n".join(texts[:10]) + "\n")
+    with open(root / "records.jsonl", "w") as handle:
+        for i, text in enumerate(texts):
+            handle.write(json.dumps({"text": text if i % 9 else "", "n": i}) + "\n")
+    column = [None if i % 11 == 0 else text[::-1] for i, text in enumerate(texts)]
+    pq.write_table(pa.table({"text": column}), root / "records.parquet", row_group_size=8)
+    return [str(STDLIB / "textwrap.py"), str(STDLIB / "shlex.py"), str(root)]
+
+
+def shards(folder: Path) -> dict[str, pa.Table]:
+    """Every shard of a prepared folder, by file name."""
+    return {path.name: pq.read_table(path) for path in sorted(folder.glob("*.parquet"))}
+
+
+def stats_of(folder: Path) -> dict:
+    return json.loads((folder / "_prepare.json").read_text())
+
+
+def assert_same_shards(left: Path, right: Path, min_shards: int = 2) -> None:
+    """Same shard files, each with the same rows (all columns, same order), same stats."""
+    a, b = shards(left), shards(right)
+    assert list(a) == list(b) and len(a) >= min_shards
+    for name in a:
+        assert a[name].equals(b[name]), name
+    assert {**stats_of(left), "engine": None} == {**stats_of(right), "engine": None}
+
+
+@contextmanager
+def one_cpu_one_task_per_cpu(monkeypatch):
+    """Ray Data limited to one CPU of the cluster (one task at a time), and the inputs grouped
+    into one task per CPU instead of TASKS_PER_CPU: other parallelism, other blocks."""
+    import ray.data
+    from ray.data import ExecutionResources
+
+    context = ray.data.DataContext.get_current()
+    saved = context.execution_options.resource_limits
+    monkeypatch.setattr(prepare_ray_module, "TASKS_PER_CPU", 1)
+    context.execution_options.resource_limits = ExecutionResources(cpu=1)
+    try:
+        yield
+    finally:
+        context.execution_options.resource_limits = saved
+        monkeypatch.undo()
+
+
+@pytest.mark.ray
+def test_runs_on_one_or_two_cpus_give_the_shards_of_the_local_prepare(
+        ray_2cpu, inputs, tmp_path, bpe_tokenizer, monkeypatch):
+    """With a BPE tokenizer: a run on both CPUs, a run on one CPU with other task groups, and
+    the single-process prepare write identical shards (ids, tokens, lengths, sources, offsets)
+    and `_prepare.json` (but for "engine"); the tokenizer copy is there."""
+    first = prepare_ray(inputs, tmp_path / "two", tokenizer=bpe_tokenizer, progress=False, **ARGS)
+    with one_cpu_one_task_per_cpu(monkeypatch):
+        prepare_ray(inputs, tmp_path / "one", tokenizer=bpe_tokenizer, progress=False, **ARGS)
+    local = prepare(inputs, tmp_path / "local", tokenizer=bpe_tokenizer, **ARGS)
+    assert_same_shards(tmp_path / "two", tmp_path / "one")
+    assert_same_shards(tmp_path / "two", tmp_path / "local")
+    assert first == {**local, "engine": "ray"} and first["source_files"] == 5
+    assert first["tokenizer"]["kind"] == "hf" and first["token_type"] == "int16"
+    info = inspect_dataset(str(tmp_path / "two"))
+    assert info.tokenizer_kind == "hf" and info.tokenizer_path is not None
+    assert info.rows == first["rows"] and info.max_length <= ARGS["max_seq_len"]
+
+
+@pytest.mark.ray
+def test_cli_engine_ray_writes_blocks_of_rows_per_block_and_dense_ids(ray_2cpu, inputs, tmp_path,
+                                                                      capsys):
+    """Bytes through `elastic-train prepare --engine ray`: the stats on stdout, the final line
+    on stderr, the shards of the single-process prepare, row groups (training's blocks) of
+    `--rows-per-block` rows, ids 0..N-1 each once."""
+    argv = ["prepare", *inputs, "--output", str(tmp_path / "ray"), "--max-seq-len", "64",
+            "--rows-per-block", "16", "--seed", "3", "--engine", "ray"]
+    assert cli_main(argv) == 0
+    captured = capsys.readouterr()
+    stats = json.loads(captured.out)
+    assert stats["engine"] == "ray" and stats == stats_of(tmp_path / "ray")
+    assert (f"prepared {stats['rows']} rows, {stats['tokens']} tokens, {stats['shards']} shards in "
+            in captured.err and "tokens/s)" in captured.err)
+    prepare(inputs, tmp_path / "local", max_seq_len=64, rows_per_block=16, seed=3,
+            rows_per_shard=20000)
+    assert_same_shards(tmp_path / "ray", tmp_path / "local", min_shards=1)
+    info = inspect_dataset(str(tmp_path / "ray"))
+    table = build_block_table(pafs.LocalFileSystem(), info.files, info.files)
+    rows = table.rows[table.file_index == 0]
+    assert len(rows) > 4 and (rows[:-1] == 16).all() and 0 < rows[-1] <= 16
+    ids = pq.read_table(info.files[0], columns=["id"]).column("id").to_numpy()
+    assert np.array_equal(ids, np.arange(info.rows))
+
+
+@pytest.mark.ray
+def test_an_error_in_a_task_is_one_clear_value_error_and_writes_nothing(ray_2cpu, tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("fine text\n")
+    bad = tmp_path / "in" / "b.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": "broken"\n')
+    with pytest.raises(ValueError, match=f"^'{bad}' line 2 is not valid JSON"):
+        prepare_ray([tmp_path / "in"], tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.unit
+def test_bad_arguments_and_output_are_refused_before_ray_starts(tmp_path, monkeypatch):
+    def no_ray(num_cpus):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(prepare_ray_module, "_ray_cluster", no_ray)
+    (tmp_path / "full").mkdir()
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "full" / "x.parquet")
+    (tmp_path / "a.txt").write_text("text\n")
+    cases = [
+        ({"output": tmp_path / "full"}, "already contains Parquet files"),
+        ({"output": tmp_path / "o", "rows_per_block": 0}, "rows_per_block must be at least 1"),
+        ({"output": tmp_path / "o", "inputs": [tmp_path / "missing"]}, "does not exist"),
+        ({"output": tmp_path / "o", "tokenizer": tmp_path / "nope"}, "--tokenizer"),
+    ]
+    for kwargs, message in cases:
+        call = {"inputs": [tmp_path / "a.txt"], **kwargs}
+        with pytest.raises(ValueError, match=message):
+            prepare_ray(call.pop("inputs"), call.pop("output"), **call)
+
+
+@pytest.mark.unit
+def test_auto_engine_is_ray_for_a_large_corpus_or_a_cluster_address(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("x" * 1000)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert choose_engine("auto", [tmp_path]) == "local"
+    assert choose_engine("ray", [tmp_path]) == "ray"
+    monkeypatch.setattr(prepare_ray_module, "AUTO_RAY_MIN_BYTES", 1000)
+    assert choose_engine("auto", [tmp_path]) == "ray"
+    monkeypatch.setattr(prepare_ray_module, "AUTO_RAY_MIN_BYTES", 1 << 40)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert choose_engine("auto", [tmp_path]) == "ray"
+    assert os.environ["RAY_ADDRESS"] and choose_engine("local", [tmp_path]) == "local"
