@@ -96,6 +96,9 @@ def test_two_worker_run_trains_every_id_once_per_epoch(reference, small_dataset)
     assert s["status"] == "finished" and s["restarts"] == 0 and s["world_sizes"] == [2]
     assert s["final_loss"] < 0.8 * s["first_loss"]
     assert s["padding_efficiency"] > 0.9
+    # Sharded reads: each rank read only its partitions' blocks, each row once per epoch.
+    assert s["read_amplification"] == 1.0 and len(s["reads_per_rank"]) == 2
+    assert all(0.3 < r["rows_read"] / s["rows_read"] < 0.7 for r in s["reads_per_rank"])
     # Ray's own record of the committed checkpoint (raycompat) names the final one.
     assert committed_checkpoint_step(reference.run_dir) == s["steps"]
     assert 7.99 < s["optimizer_state_bytes_per_param"] < 8.01  # AdamW: two fp32 moments
@@ -118,10 +121,12 @@ def test_two_worker_run_trains_every_id_once_per_epoch(reference, small_dataset)
     assert s["steps"] == len(effective_ids(reference))
 
 
-def test_one_worker_run_sees_the_same_steps_and_loss(reference, small_dataset, tmp_path):
+def test_one_worker_reading_through_ray_data_sees_the_same_steps_and_loss(reference, small_dataset,
+                                                                         tmp_path):
+    """Another world size and the other reader (Ray Data read tasks): the same run, to the bit."""
     one = run(tmp_path, small_dataset, "one", "train.epochs=2", "train.max_steps=1000",
-              "scaling.min_workers=1", "scaling.max_workers=1")
-    assert one.summary["world_sizes"] == [1]
+              "scaling.min_workers=1", "scaling.max_workers=1", "data.reader=ray_data")
+    assert one.summary["world_sizes"] == [1] and one.summary["read_amplification"] == 1.0
     assert_same_training(one, reference)
 
 
@@ -140,6 +145,9 @@ def test_hard_crash_resumes_exactly_once_with_the_same_loss(reference, small_dat
     assert_same_training(crashed, reference)
     # The run's time ledger and `elastic-train report` on a real restarted run.
     assert s["replayed_steps"] == 10 - (first_of_attempt1 - 1)
+    # The restart read its partitions from their cursors: at most one window each again.
+    rows = s["rows_read"] / s["read_amplification"]
+    assert 1.0 < s["read_amplification"] and s["rows_read"] - rows <= 4 * 1024
     lg = s["ledger"]
     assert 0 < s["goodput"] < 1
     assert sum(lg[p] for p in LEDGER_PARTS) == pytest.approx(lg["wall_s"], rel=0.02)
