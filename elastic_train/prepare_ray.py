@@ -8,17 +8,21 @@ writes them in that order, `rows_per_shard` to a shard, the id of a row being it
 
 1. The driver validates everything it can before any Ray task (arguments, the output, the inputs
    through `sources.collect_input_files`, the tokenizer, which it loads once), and lists the input
-   files in that same order. File `i` is piece `i`.
+   files in that same order, cut into pieces: a file is one piece, but a JSONL or Parquet file
+   larger than `PIECE_BYTES` is cut into consecutive pieces of whole lines or whole row groups.
 2. Tokenize (`map_batches`): each task takes a few consecutive pieces (grouped by size, only to
    balance the tasks: the grouping changes nothing in the output) and turns each into its rows
-   with `sources.gather_rows([file])`, the function the single-process version runs on all files:
-   the rows (tokens, offsets in the file's token stream) are those it makes for that file. Each row
-   carries (piece, row index in piece). The result is materialized in the object store.
+   with `sources.gather_rows([file])`, the function the single-process version runs on all files
+   (for a slice, with the same `sources` helpers on its records): the rows are those it makes for
+   that file. Each row carries (piece, row index in piece, offset in the piece's token stream).
+   The result is materialized in the object store.
 3. The driver gathers the row and token counts per piece (one small record per piece and block),
-   so row `r` of piece `p` has the global index `g = first_row[p] + r`: its index in the
-   single-process gather. It draws the same permutation and ships its inverse (8 bytes a row,
-   through the object store once), so that id = position = inverse[g] and the shard is
-   `id // rows_per_shard`. Nothing here depends on the block or task layout.
+   so row `r` of piece `p` has the global index `g = first_row[p] + r`, its index in the
+   single-process gather, and offsets move by the tokens of the file's earlier pieces. It draws
+   the same permutation and ships its inverse (8 bytes a row, through the object store once), so
+   that id = position = inverse[g] and the shard is `id // rows_per_shard`. Nothing here depends
+   on the block or task layout. The write stage groups by shard with Ray Data's pull-based sort
+   shuffle (much faster here than its default hash shuffle).
 4. Write (`groupby("shard").map_groups`): each group is one shard's rows; the task sorts them by
    id and writes `part-NNNNN.parquet` itself (local folder or any URI pyarrow.fs opens) with
    `row_group_size=rows_per_block`, the blocks training reads (`blocks.py`).
@@ -26,9 +30,9 @@ writes them in that order, `rows_per_shard` to a shard, the id of a row being it
    version plus `"engine": "ray"`.
 
 Errors a task meets (a malformed JSONL line, a Parquet file without the text column) come back
-as the one-line ValueError the single-process version raises (that of the first bad file in
-input order), and nothing is written: the output folder is only created once every input has
-been tokenized.
+as the one-line ValueError the single-process version raises: the driver reads the first bad
+file (in input order) again with the `sources` readers, so the message names it as given, with
+the line. Nothing is written: the output folder is only created once every input is tokenized.
 
 Cluster: the one this process is already connected to; else `RAY_ADDRESS`'s when set (inputs and
 output must then be reachable from every node: a shared folder, or a URI for the output); else a
@@ -39,12 +43,13 @@ the end. Ray Data shows its progress bars; a final line says rows, tokens, shard
 the inputs hold at least `AUTO_RAY_MIN_BYTES`, else `prepare.prepare`: starting Ray costs seconds
 that a small corpus does not repay, and both give the same shards. `--engine ray|local` forces one.
 
-Left for later: input URIs (inputs are local paths, as for `prepare.prepare`), and cutting one
-large JSONL or Parquet file into several pieces (today a file is tokenized by one task).
+Left for later: input URIs (inputs are local paths, as for `prepare.prepare`); a large text file
+is still one piece.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -70,13 +75,26 @@ from elastic_train.prepare import (
     _resolve_dataset_path,
     _tokenizer_record,
 )
-from elastic_train.sources import PathLike, collect_input_files, gather_rows
+from elastic_train.sources import (
+    PARQUET_BATCH_ROWS,
+    PathLike,
+    _jsonl_text,
+    _record_rows,
+    _RowBuffer,
+    collect_input_files,
+    gather_rows,
+    iter_jsonl_texts,
+    iter_parquet_texts,
+)
 from elastic_train.tokenizer import Tokenizer, load_tokenizer
 
 _INT16_MAX = int(np.iinfo(np.int16).max)
 # Tasks per CPU in the tokenize stage: enough that a slow file does not leave CPUs idle, few
 # enough that task overhead stays small. Only the scheduling depends on it, never the output.
 TASKS_PER_CPU = 4
+# JSONL and Parquet inputs larger than this are cut into pieces of about this size (whole lines,
+# whole row groups), so that one large file is tokenized by several tasks.
+PIECE_BYTES = 64 << 20
 # `--engine auto` picks Ray from this many input bytes on (or whenever RAY_ADDRESS is set): below
 # it, starting a cluster costs more than it saves, and the output is the same either way.
 AUTO_RAY_MIN_BYTES = 64 << 20
@@ -99,17 +117,48 @@ def _cached_tokenizer(blob: bytes) -> Tokenizer:
     return _tokenizer_cache[blob]
 
 
+def _slice_texts(piece: dict, text_field: str) -> Iterator[str]:
+    """The non-empty texts of a JSONL piece (whole lines, read as `iter_jsonl_texts` reads them)
+    or a Parquet piece (whole row groups, as `iter_parquet_texts`)."""
+    if piece["kind"] == "parquet":
+        parquet = pq.ParquetFile(piece["path"])
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field],
+                                          row_groups=range(piece["start"], piece["end"])):
+            yield from (text for text in batch.column(0).to_pylist() if text)
+        return
+    with open(piece["path"], "rb") as handle:
+        handle.seek(piece["start"])
+        data = handle.read(piece["end"] - piece["start"])
+    lines = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace")
+    for number, line in enumerate(lines, start=1):  # relative: the driver reports errors
+        if line.strip():
+            text = _jsonl_text(line, f"'{piece['path']}' piece line {number}", text_field)
+            if text:
+                yield text
+
+
+def _piece_rows(piece: dict, tokenizer: Tokenizer, max_seq_len: int, text_field: str
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """`gather_rows` of one piece: a whole file, or a slice of a JSONL or Parquet file."""
+    if piece["kind"] == "file":
+        return gather_rows([Path(piece["path"])], tokenizer, max_seq_len, text_field)
+    rows = _RowBuffer()
+    for ids in _record_rows(_slice_texts(piece, text_field), tokenizer, max_seq_len):
+        rows.add(0, ids)
+    return rows.finish()
+
+
 def _tokenize(batch: pa.Table, *, tokenizer_blob: bytes, max_seq_len: int, text_field: str) -> pa.Table:
-    """Tokenize stage: the rows of each piece (an input file) of the batch's task groups."""
+    """Tokenize stage: the rows of each piece of the batch's task groups."""
     tokenizer = _cached_tokenizer(tokenizer_blob)
     tables = [_TOKENIZED.empty_table()]
-    pieces = [piece for group in batch.column("piece").to_pylist() for piece in group]
-    paths = [path for group in batch.column("path").to_pylist() for path in group]
-    for piece, path in zip(pieces, paths, strict=True):
+    for piece in (piece for group in batch.column("pieces").to_pylist()
+                  for piece in json.loads(group)):
+        index = piece["piece"]
         try:
-            values, spans = gather_rows([Path(str(path))], tokenizer, max_seq_len, text_field)
+            values, spans = _piece_rows(piece, tokenizer, max_seq_len, text_field)
         except ValueError as exc:
-            tables.append(pa.table({"piece": [piece], "row": [-1], "tokens": [[]], "offset": [-1],
+            tables.append(pa.table({"piece": [index], "row": [-1], "tokens": [[]], "offset": [-1],
                                     "error": [str(exc)]}, schema=_TOKENIZED))
             continue
         if len(spans) == 0:
@@ -118,7 +167,7 @@ def _tokenize(batch: pa.Table, *, tokenizer_blob: bytes, max_seq_len: int, text_
         bounds = np.append(spans[:, 2], spans[-1, 3]).astype(np.int32)
         tokens = pa.ListArray.from_arrays(pa.array(bounds), pa.array(values.astype(np.int32)))
         tables.append(pa.table({
-            "piece": pa.array(np.full(len(spans), piece, dtype=np.int32)),
+            "piece": pa.array(np.full(len(spans), index, dtype=np.int32)),
             "row": pa.array(np.arange(len(spans), dtype=np.int64)),
             "tokens": tokens, "offset": pa.array(spans[:, 1]),
             "error": pa.nulls(len(spans), pa.string())}, schema=_TOKENIZED))
@@ -143,15 +192,18 @@ def _summarize(table: pa.Table) -> pa.Table:
     return pa.table(summary)
 
 
-def _assign(table: pa.Table, *, first_rows: np.ndarray, positions_ref, rows_per_shard: int
-            ) -> pa.Table:
-    """Ids and shards: a row's id is its position in the single-process permutation."""
+def _assign(table: pa.Table, *, first_rows: np.ndarray, first_tokens: np.ndarray, positions_ref,
+            rows_per_shard: int) -> pa.Table:
+    """Ids and shards: a row's id is its position in the single-process permutation. Offsets
+    move from the piece's token stream to the file's."""
     import ray
 
     positions = ray.get(positions_ref)
-    gathered = first_rows[table.column("piece").to_numpy()] + table.column("row").to_numpy()
-    ids = positions[gathered]
-    return (table.append_column("id", pa.array(ids))
+    pieces = table.column("piece").to_numpy()
+    ids = positions[first_rows[pieces] + table.column("row").to_numpy()]
+    offsets = first_tokens[pieces] + table.column("offset").to_numpy()
+    return (table.set_column(table.schema.get_field_index("offset"), "offset", pa.array(offsets))
+            .append_column("id", pa.array(ids))
             .append_column("shard", pa.array(ids // rows_per_shard)))
 
 
@@ -175,20 +227,84 @@ def _write_shard(group: pa.Table, *, output: str, names: list[str], token_type: 
     return pa.table({"shard": [shard], "rows": [len(table)]})
 
 
-def _task_groups(files: list[Path], num_cpus: int) -> list[dict]:
-    """Consecutive files grouped into about `TASKS_PER_CPU * num_cpus` tasks of similar size."""
-    sizes = np.array([max(file.stat().st_size, 1) for file in files], dtype=np.float64)
-    target = sizes.sum() / max(TASKS_PER_CPU * num_cpus, 1)
-    groups: list[dict] = []
-    filled = target  # start a new group at the first file
-    for piece, (file, size) in enumerate(zip(files, sizes, strict=True)):
+def _jsonl_bounds(file: Path, size: int) -> list[int]:
+    """Cuts of a JSONL file into pieces of about PIECE_BYTES, each at a line start."""
+    bounds = [0]
+    with open(file, "rb") as handle:
+        for target in range(PIECE_BYTES, size, PIECE_BYTES):
+            if target > bounds[-1]:
+                handle.seek(target - 1)
+                cut = target - 1 + len(handle.readline())  # just after the next newline
+                if bounds[-1] < cut < size:
+                    bounds.append(cut)
+    return bounds + [size]
+
+
+def _parquet_bounds(file: Path) -> list[int]:
+    """Cuts of a Parquet file's row groups into pieces of about PIECE_BYTES (uncompressed)."""
+    metadata = pq.ParquetFile(file).metadata
+    bounds, filled = [0], 0
+    for group in range(metadata.num_row_groups):
+        if filled >= PIECE_BYTES:
+            bounds.append(group)
+            filled = 0
+        filled += metadata.row_group(group).total_byte_size
+    return bounds + [metadata.num_row_groups]
+
+
+def _list_pieces(files: list[Path]) -> list[dict]:
+    """The pieces of all files, in order: a whole file, or consecutive slices of a JSONL or
+    Parquet file larger than PIECE_BYTES (a Parquet file that does not open stays whole: its
+    task reports why)."""
+    pieces: list[dict] = []
+    for index, file in enumerate(files):
+        size = file.stat().st_size
+        suffix, bounds = file.suffix.lower(), [0, 0]
+        kind = {".jsonl": "jsonl", ".parquet": "parquet"}.get(suffix) if size > PIECE_BYTES else None
+        try:
+            bounds = _jsonl_bounds(file, size) if kind == "jsonl" else (
+                _parquet_bounds(file) if kind == "parquet" else bounds)
+        except (pa.ArrowException, OSError):
+            kind = None
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            pieces.append({"piece": len(pieces), "file": index, "path": str(file.resolve()),
+                           "kind": kind or "file", "start": start, "end": end,
+                           "bytes": max(size * (end - start) // max(bounds[-1], 1), 1)
+                           if kind else max(size, 1)})
+    return pieces
+
+
+def _task_groups(pieces: list[dict], num_cpus: int) -> list[dict]:
+    """Consecutive pieces grouped into about `TASKS_PER_CPU * num_cpus` tasks of similar size."""
+    target = sum(piece["bytes"] for piece in pieces) / max(TASKS_PER_CPU * num_cpus, 1)
+    groups: list[list[dict]] = []
+    filled = target  # start a new group at the first piece
+    for piece in pieces:
         if filled >= target:
-            groups.append({"piece": [], "path": []})
+            groups.append([])
             filled = 0.0
-        groups[-1]["piece"].append(piece)
-        groups[-1]["path"].append(str(file.resolve()))
-        filled += size
-    return groups
+        groups[-1].append(piece)
+        filled += piece["bytes"]
+    return [{"pieces": json.dumps(group)} for group in groups]
+
+
+def _local_error(file: Path, tokenizer: Tokenizer, max_seq_len: int, text_field: str
+                 ) -> ValueError | None:
+    """The ValueError the single-process prepare raises for `file`, found by reading it here
+    (only once a task has failed on it: its message names the file as given and the line)."""
+    suffix = file.suffix.lower()
+    try:
+        if suffix == ".jsonl":
+            for _ in iter_jsonl_texts(file, text_field):
+                pass
+        elif suffix == ".parquet":
+            for _ in iter_parquet_texts(file, text_field):
+                pass
+        else:
+            gather_rows([file], tokenizer, max_seq_len, text_field)
+    except ValueError as exc:
+        return exc
+    return None
 
 
 def _output_location(output: PathLike) -> tuple[pafs.FileSystem, str, str]:
@@ -261,31 +377,34 @@ def _data_context(progress: bool) -> Iterator[None]:
 
 
 def _tokenize_all(files: list[Path], tokenizer: Tokenizer, cpus: int, max_seq_len: int,
-                  text_field: str):
-    """Stages 1 and 2: the materialized rows of every piece, and per piece its rows, tokens
-    and largest token id (arrays indexed by piece)."""
+                  text_field: str) -> tuple:
+    """Stages 1 and 2: the pieces, their materialized rows, and per piece its rows, tokens and
+    largest token id (arrays indexed by piece). Raises the first bad file's ValueError."""
     import ray
 
-    groups = _task_groups(files, cpus)
+    pieces = _list_pieces(files)
     kwargs = {"tokenizer_blob": pickle.dumps(tokenizer), "max_seq_len": max_seq_len,
               "text_field": text_field}
+    groups = _task_groups(pieces, cpus)
     tokenized = (ray.data.from_items(groups, override_num_blocks=len(groups))
                  .map_batches(_tokenize, batch_size=1, batch_format="pyarrow", fn_kwargs=kwargs)
                  .materialize())
     summary = tokenized.map_batches(_summarize, batch_size=None, batch_format="pyarrow").take_all()
     errors = sorted((record["piece"], record["error"]) for record in summary if record["error"])
     if errors:
-        raise ValueError(errors[0][1])
-    rows, tokens, top = (np.zeros(len(files), dtype=np.int64) for _ in range(3))
+        file = files[pieces[errors[0][0]]["file"]]
+        raise _local_error(file, tokenizer, max_seq_len, text_field) or ValueError(errors[0][1])
+    rows, tokens, top = (np.zeros(len(pieces), dtype=np.int64) for _ in range(3))
     for record in summary:
         rows[record["piece"]] += record["rows"]
         tokens[record["piece"]] += record["tokens"]
         top[record["piece"]] = max(top[record["piece"]], record["max_token"])
-    return tokenized, rows, tokens, top
+    return pieces, tokenized, rows, tokens, top
 
 
-def _write_all(tokenized, rows: np.ndarray, *, cpus: int, seed: int, rows_per_shard: int,
-               rows_per_block: int, target: str, names: list[str], token_type: np.dtype) -> int:
+def _write_all(tokenized, pieces: list[dict], rows: np.ndarray, tokens: np.ndarray, *, cpus: int,
+               seed: int, rows_per_shard: int, rows_per_block: int, target: str, names: list[str],
+               token_type: np.dtype) -> int:
     """Stages 3 and 4: ids from the single-process permutation, then one task per shard writes
     it. Returns the number of shards written."""
     import ray
@@ -293,13 +412,17 @@ def _write_all(tokenized, rows: np.ndarray, *, cpus: int, seed: int, rows_per_sh
     total = int(rows.sum())
     first_rows = np.zeros(len(rows), dtype=np.int64)
     np.cumsum(rows[:-1], out=first_rows[1:])
+    first_tokens = np.zeros(len(rows), dtype=np.int64)  # where a piece starts in its file
+    for index in range(1, len(pieces)):
+        if pieces[index]["file"] == pieces[index - 1]["file"]:
+            first_tokens[index] = first_tokens[index - 1] + tokens[index - 1]
     permutation = np.random.default_rng(seed).permutation(total)
     positions = np.empty(total, dtype=np.int64)
     positions[permutation] = np.arange(total, dtype=np.int64)
-    assign = {"first_rows": first_rows, "positions_ref": ray.put(positions),
-              "rows_per_shard": rows_per_shard}
-    write = {"output": target, "names": names, "token_type": token_type.name,
-             "rows_per_block": rows_per_block}
+    assign = {"first_rows": first_rows, "first_tokens": first_tokens,
+              "positions_ref": ray.put(positions), "rows_per_shard": rows_per_shard}
+    write = {"output": target, "names": [names[piece["file"]] for piece in pieces],
+             "token_type": token_type.name, "rows_per_block": rows_per_block}
     expected = -(-total // rows_per_shard)
     written = (tokenized.map_batches(_assign, batch_size=None, batch_format="pyarrow", fn_kwargs=assign)
                .groupby("shard", num_partitions=min(expected, TASKS_PER_CPU * cpus))
@@ -358,7 +481,8 @@ def prepare_ray(
         raise ValueError(no_text)
     started = time.perf_counter()
     with _ray_cluster(num_cpus) as cpus, _data_context(progress):
-        tokenized, rows, tokens, top = _tokenize_all(files, tokenizer, cpus, max_seq_len, text_field)
+        pieces, tokenized, rows, tokens, top = _tokenize_all(files, tokenizer, cpus, max_seq_len,
+                                                             text_field)
         if rows.sum() == 0:
             raise ValueError(no_text)
         if skipped:
@@ -373,9 +497,10 @@ def prepare_ray(
             raise ValueError(f"output '{output}' cannot be created: {exc}") from None
         if tokenizer.kind != "bytes":
             _save_tokenizer(tokenizer, fs, root)
-        shards = _write_all(tokenized, rows, cpus=cpus, seed=seed, rows_per_shard=rows_per_shard,
-                            rows_per_block=rows_per_block, target=target,
-                            names=[str(file) for file in files], token_type=token_type)
+        shards = _write_all(tokenized, pieces, rows, tokens, cpus=cpus, seed=seed,
+                            rows_per_shard=rows_per_shard, rows_per_block=rows_per_block,
+                            target=target, names=[str(file) for file in files],
+                            token_type=token_type)
     stats = {
         "rows": int(rows.sum()),
         "tokens": int(tokens.sum()),

@@ -20,6 +20,7 @@ from elastic_train.blocks import build_block_table
 from elastic_train.cli import main as cli_main
 from elastic_train.prepare import inspect_dataset, prepare
 from elastic_train.prepare_ray import choose_engine, prepare_ray
+from elastic_train.sources import collect_input_files
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 ARGS = {"max_seq_len": 64, "rows_per_shard": 150, "rows_per_block": 16, "seed": 3}
@@ -70,14 +71,16 @@ def assert_same_shards(left: Path, right: Path, min_shards: int = 2) -> None:
 
 @contextmanager
 def one_cpu_one_task_per_cpu(monkeypatch):
-    """Ray Data limited to one CPU of the cluster (one task at a time), and the inputs grouped
-    into one task per CPU instead of TASKS_PER_CPU: other parallelism, other blocks."""
+    """Ray Data limited to one CPU of the cluster (one task at a time), the JSONL and Parquet
+    inputs cut into pieces of about 256 bytes, and the pieces grouped into one task per CPU
+    instead of TASKS_PER_CPU: other parallelism, other pieces, other blocks."""
     import ray.data
     from ray.data import ExecutionResources
 
     context = ray.data.DataContext.get_current()
     saved = context.execution_options.resource_limits
     monkeypatch.setattr(prepare_ray_module, "TASKS_PER_CPU", 1)
+    monkeypatch.setattr(prepare_ray_module, "PIECE_BYTES", 256)
     context.execution_options.resource_limits = ExecutionResources(cpu=1)
     try:
         yield
@@ -94,6 +97,9 @@ def test_runs_on_one_or_two_cpus_give_the_shards_of_the_local_prepare(
     and `_prepare.json` (but for "engine"); the tokenizer copy is there."""
     first = prepare_ray(inputs, tmp_path / "two", tokenizer=bpe_tokenizer, progress=False, **ARGS)
     with one_cpu_one_task_per_cpu(monkeypatch):
+        pieces = prepare_ray_module._list_pieces(collect_input_files(inputs))
+        assert sorted({piece["kind"] for piece in pieces}) == ["file", "jsonl", "parquet"]
+        assert len(pieces) > 10
         prepare_ray(inputs, tmp_path / "one", tokenizer=bpe_tokenizer, progress=False, **ARGS)
     local = prepare(inputs, tmp_path / "local", tokenizer=bpe_tokenizer, **ARGS)
     assert_same_shards(tmp_path / "two", tmp_path / "one")
@@ -131,14 +137,22 @@ def test_cli_engine_ray_writes_blocks_of_rows_per_block_and_dense_ids(ray_2cpu, 
 
 
 @pytest.mark.ray
-def test_an_error_in_a_task_is_one_clear_value_error_and_writes_nothing(ray_2cpu, tmp_path):
-    (tmp_path / "in").mkdir()
-    (tmp_path / "in" / "a.txt").write_text("fine text\n")
-    bad = tmp_path / "in" / "b.jsonl"
-    bad.write_text('{"text": "ok"}\n{"text": "broken"\n')
-    with pytest.raises(ValueError, match=f"^'{bad}' line 2 is not valid JSON"):
-        prepare_ray([tmp_path / "in"], tmp_path / "out", progress=False)
-    assert not (tmp_path / "out").exists()
+def test_an_error_in_a_task_is_the_local_value_error_and_writes_nothing(ray_2cpu, tmp_path,
+                                                                        monkeypatch):
+    """A bad line in a later piece of a JSONL file: the message of the single-process prepare
+    (the file as given, the line in the file), and no output folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(prepare_ray_module, "PIECE_BYTES", 64)
+    Path("in").mkdir()
+    Path("in", "a.txt").write_text("fine text\n")
+    Path("in", "b.jsonl").write_text('{"text": "ok"}\n' * 30 + '{"text": "broken"\n')
+    with pytest.raises(ValueError) as local:
+        prepare(["in"], "local")
+    with pytest.raises(ValueError) as ray_error:
+        prepare_ray(["in"], "out", progress=False)
+    assert str(ray_error.value) == str(local.value)
+    assert str(local.value).startswith("'in/b.jsonl' line 31 is not valid JSON")
+    assert not Path("out").exists()
 
 
 @pytest.mark.unit
