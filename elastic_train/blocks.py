@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from elastic_train.data import MicroBatch, arrow_to_columns, stack_rows
 from elastic_train.plan import StreamSpec, assign_blocks, bucket_window, window_rng, window_spans
-from elastic_train.rowgroups import BlockTable, build_block_table, read_row_group
+from elastic_train.rowgroups import BlockTable, build_block_table, check_block_rows, read_row_group
 
 Cursor = tuple[int, int]  # (window index, micro-batches already taken from that window)
 MIN_BLOCKS_PER_PARTITION = 2
@@ -52,8 +52,10 @@ class BlockReader:
     """Reads whole blocks (row groups) of the shards with pyarrow, in this process, when asked;
     keeps the files it opened."""
 
-    def __init__(self, table: BlockTable, extra_columns: tuple[str, ...] = ()) -> None:
+    def __init__(self, table: BlockTable, extra_columns: tuple[str, ...] = (),
+                 vocab_rows: int | None = None) -> None:
         self.table = table
+        self.vocab_rows = vocab_rows  # token ids must be below it (the model's embedding rows)
         self.columns = ["id", "tokens", "length", *extra_columns]
         self.extra_columns = extra_columns
         self.counter = ReadCounter()
@@ -72,8 +74,11 @@ class BlockReader:
         return out
 
     def read(self, blocks: np.ndarray) -> dict[str, Any]:
-        """The rows of `blocks`, in that order, as columns (see `data.arrow_to_columns`)."""
+        """The rows of `blocks`, in that order, as columns (see `data.arrow_to_columns`); a row
+        whose length or token ids are wrong raises `DataError` naming its file, row and id."""
         tables = self.read_blocks(blocks)
+        for b, rows in zip(blocks, tables, strict=True):
+            check_block_rows(rows, self.table, int(b), self.vocab_rows)
         self.counter.rows += sum(t.num_rows for t in tables)
         return arrow_to_columns(pa.concat_tables(tables), self.extra_columns)
 
@@ -89,8 +94,8 @@ class RayDataBlockReader(BlockReader):
     they are read changes, so the steps are the same to the bit."""
 
     def __init__(self, table: BlockTable, extra_columns: tuple[str, ...] = (),
-                 prefetch_blocks: int = 8) -> None:
-        super().__init__(table, extra_columns)
+                 vocab_rows: int | None = None, prefetch_blocks: int = 8) -> None:
+        super().__init__(table, extra_columns, vocab_rows)
         self.prefetch_blocks = prefetch_blocks
         self._stream: Iterator | None = None
         self._early: dict[int, pa.Table] = {}
@@ -133,9 +138,10 @@ class RayDataBlockReader(BlockReader):
         self._stream, self._early = None, {}
 
 
-def make_reader(kind: str, table: BlockTable, extra_columns: tuple[str, ...] = ()) -> BlockReader:
+def make_reader(kind: str, table: BlockTable, extra_columns: tuple[str, ...] = (),
+                vocab_rows: int | None = None) -> BlockReader:
     """The block reader of `data.reader`: pyarrow (in the worker) or ray_data (Ray Data tasks)."""
-    return (RayDataBlockReader if kind == "ray_data" else BlockReader)(table, extra_columns)
+    return (RayDataBlockReader if kind == "ray_data" else BlockReader)(table, extra_columns, vocab_rows)
 
 
 @dataclass

@@ -26,7 +26,13 @@ from elastic_train.checkpoint import load_checkpoint, snapshot
 from elastic_train.config import Config, num_partitions
 from elastic_train.data import MicroBatch, Prefetcher
 from elastic_train.losses import LossFn, LossModule
-from elastic_train.model import ModelFn, build_model, count_parameters, model_flops_per_token
+from elastic_train.model import (
+    ModelFn,
+    build_model,
+    count_parameters,
+    input_embedding_rows,
+    model_flops_per_token,
+)
 from elastic_train.optim import (
     build_optimizer,
     lr_at,
@@ -431,7 +437,8 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     process = psutil.Process()
     state_logged = False  # optimizer-state bytes per parameter, logged once per attempt
     template = None  # a real micro-batch, for the dry-rank step (see dry_rank_batch)
-    reader = make_reader(cfg.data.reader, env.block_table, env.extra_columns)
+    reader = make_reader(cfg.data.reader, env.block_table, env.extra_columns,
+                         input_embedding_rows(t.raw_model))
     env.log_event({"event": "start", "attempt": attempt, "world_size": world_size,
                    "resumed_step": state.step, "rank": rank,
                    "utilisation": utilisation(num_partitions(cfg), world_size)})

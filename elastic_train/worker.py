@@ -26,6 +26,7 @@ from elastic_train import raycompat
 from elastic_train.blocks import BlockTable
 from elastic_train.checkpoint import write_checkpoint
 from elastic_train.config import Config, config_from_dict
+from elastic_train.rowgroups import DataError
 
 CRASH_COMMIT_WAIT_S = 120.0  # fault hooks: the longest wait for a checkpoint's commit
 
@@ -268,11 +269,16 @@ def train_worker(config: dict[str, Any]) -> None:
     if not cfg.scaling.use_gpu:
         torch.set_num_threads(cfg.scaling.torch_threads)
     env = RayWorkerEnv(cfg, config["runlog"], config["block_table"], tuple(config["extra_columns"]))
+    if ray.get(config["runlog"].progress.remote())["fatal"]:
+        return  # an earlier attempt found what stops this run (see below)
     try:
         train_loop(cfg, env, config.get("model_fn"), config.get("loss_fn"))
-    except ModelTooLargeError as exc:
-        if env.world_rank == 0:  # the same on every rank; the driver reports it as the failure
-            ray.get(env.runlog.set_fatal.remote(str(exc)))
+    except (ModelTooLargeError, DataError) as exc:
+        # A restart would fail the same way: the RunLog keeps the reason, which the driver reports
+        # as the failure; raising makes Ray stop the other ranks (which may wait in a collective),
+        # and the restarted group sees the reason and returns at once.
+        ray.get(env.runlog.set_fatal.remote(str(exc)))
+        raise
     except NonFiniteError:
         if env.fatal is None:
             raise  # the first time: Ray restarts the group from the last checkpoint

@@ -164,7 +164,7 @@ def labelled_dataset(small_dataset, tmp_path_factory) -> str:
     for shard in sorted(Path(small_dataset).glob("*.parquet")):
         table = pq.read_table(shard)
         label = pa.compute.bit_wise_and(table.column("length"), 1).cast(pa.int64())
-        pq.write_table(table.append_column("label", label), out / shard.name)
+        pq.write_table(table.append_column("label", label), out / shard.name, row_group_size=32)
     return str(out)
 
 
@@ -178,3 +178,27 @@ def test_an_inline_model_and_loss_through_the_python_api(ray_cluster, labelled_d
     assert_equal_weights(final_weights(Path(result.run_dir)), reference.final["model"])
     losses = [json.loads(x)["loss"] for x in (Path(result.run_dir) / "metrics.jsonl").open()]
     assert losses == pytest.approx([r["loss"] for r in reference.steps], rel=1e-12)
+
+
+def test_a_bad_row_stops_the_run_once_naming_it(ray_cluster, small_dataset, tmp_path):
+    """A row whose length column lies is found while streaming (its file, row group and id); the
+    run fails with that reason instead of restarting into the same error."""
+    from elastic_train.api import TrainingFailed
+
+    bad = tmp_path / "bad-data"
+    bad.mkdir()
+    for shard in sorted(Path(small_dataset).glob("*.parquet")):
+        table = pq.read_table(shard)
+        lengths = table.column("length").to_numpy().copy()
+        if shard.name.endswith("00001.parquet"):
+            lengths[5] += 1
+        pq.write_table(table.set_column(2, "length", pa.array(lengths)), bad / shard.name,
+                       row_group_size=32)
+    bad_id = pq.read_table(bad / "part-00001.parquet").column("id")[5].as_py()
+    cfg = load_config(None, [*SMALL, f"data.path={bad}", f"run.storage_path={tmp_path}",
+                             "run.name=bad", "scaling.max_failures=3"])
+    with pytest.raises(TrainingFailed, match=rf"part-00001.parquet', row group 0, row 5 \(id {bad_id}\): "
+                                             "its length column says"):
+        train(cfg)
+    summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["restarts"] <= 1

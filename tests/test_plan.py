@@ -212,3 +212,27 @@ def test_padding_efficiency_on_embedded_corpus(tmp_path):
     bucketed, random = efficiency(table, True), efficiency(table, False)
     assert bucketed >= 0.95, bucketed
     assert random < 0.75, random
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("length", r"row group \d+, row \d+ \(id 7\): its length column says 99 but it has \d+ tokens"),
+    ("token", r"row \d+ \(id 7\): token id 300 is outside the model's vocabulary of 256"),
+])
+def test_a_bad_row_is_named_while_streaming(tmp_path, bad, message):
+    from elastic_train.rowgroups import DataError
+
+    lengths = np.array([5, 9, 3, 7] * 10)
+    ids = np.arange(40) + 4
+    tokens = [np.full(n, 1, dtype=np.int16) for n in lengths]
+    if bad == "length":
+        lengths[3] = 99
+    else:
+        tokens[3][2] = 300
+    pq.write_table(pa.table({"id": ids, "tokens": tokens, "length": lengths.astype(np.int32)}),
+                   tmp_path / "part-00000.parquet", row_group_size=10)
+    table = table_of(tmp_path)
+    reader = BlockReader(table, vocab_rows=256)
+    with pytest.raises(DataError, match=message):
+        for mbs, _ in iter_rank_steps(reader, StreamSpec(2, 256, 20, seed=0), partitions=[0, 1], epoch=0):
+            if not mbs:
+                break
