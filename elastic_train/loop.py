@@ -40,7 +40,7 @@ from elastic_train.optim import (
     set_lr,
     training_bytes_per_param,
 )
-from elastic_train.plan import StreamSpec, owned_partitions, utilisation
+from elastic_train.plan import StreamSpec, assign_blocks, owned_partitions, partition_balance, utilisation
 
 
 @dataclass
@@ -420,6 +420,16 @@ def _epoch_stream(cfg: Config, reader: BlockReader, state: TrainState, partition
     )
 
 
+def _log_epoch_plan(env: WorkerEnv, cfg: Config, epoch: int) -> None:
+    """How evenly the epoch's blocks fill the partitions (largest / mean tokens: the last steps,
+    where smaller partitions are dry, leave ranks idle)."""
+    k = num_partitions(cfg)
+    assignment = assign_blocks(env.block_table.tokens, k, cfg.data.seed, epoch)
+    env.log_event({"event": "epoch_plan", "epoch": epoch, "partitions": k,
+                   "partition_balance": partition_balance(env.block_table.tokens, assignment),
+                   "blocks_per_partition": min(len(a) for a in assignment)})
+
+
 def _log_reads(env: WorkerEnv, attempt: int, reader: BlockReader) -> None:
     env.log_event({"event": "data_read", "attempt": attempt, "rank": env.world_rank,
                    "rows_read": reader.counter.rows, "bytes_read": reader.counter.bytes})
@@ -443,6 +453,8 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                    "resumed_step": state.step, "rank": rank,
                    "utilisation": utilisation(num_partitions(cfg), world_size)})
     while state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
+        if rank == 0:
+            _log_epoch_plan(env, cfg, state.epoch)
         stream = _epoch_stream(cfg, reader, state, partitions)
         try:
             while state.step < cfg.train.max_steps:

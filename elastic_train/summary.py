@@ -119,7 +119,12 @@ def read_figures(events: list[dict], rows_trained: int) -> dict:
         if e.get("event") == "data_read":
             last[(e["attempt"], e["rank"])] = e
     rows_read = sum(e["rows_read"] for e in last.values())
+    balance = [e["partition_balance"] for e in events if e.get("event") == "epoch_plan"]
+    utilisation = {e["world_size"]: e["utilisation"] for e in events
+                   if e.get("event") == "start" and "utilisation" in e}
     return {
+        "partition_balance": max(balance) if balance else None,
+        "utilisation_by_world_size": {str(w): u for w, u in sorted(utilisation.items())},
         "read_amplification": rows_read / rows_trained if rows_trained else None,
         "rows_read": rows_read,
         "bytes_read": sum(e["bytes_read"] for e in last.values()),

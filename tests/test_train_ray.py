@@ -98,6 +98,7 @@ def test_two_worker_run_trains_every_id_once_per_epoch(reference, small_dataset)
     assert s["padding_efficiency"] > 0.9
     # Sharded reads: each rank read only its partitions' blocks, each row once per epoch.
     assert s["read_amplification"] == 1.0 and len(s["reads_per_rank"]) == 2
+    assert 1.0 <= s["partition_balance"] < 1.2 and s["utilisation_by_world_size"] == {"2": 1.0}
     assert all(0.3 < r["rows_read"] / s["rows_read"] < 0.7 for r in s["reads_per_rank"])
     # Ray's own record of the committed checkpoint (raycompat) names the final one.
     assert committed_checkpoint_step(reference.run_dir) == s["steps"]
