@@ -21,10 +21,10 @@ writes them in that order, `rows_per_shard` to a shard, the id of a row being it
    single-process gather, and offsets move by the tokens of the file's earlier pieces. It draws
    the same permutation and ships its inverse (8 bytes a row, through the object store once), so
    that id = position = inverse[g] and the shard is `id // rows_per_shard`. Nothing here depends
-   on the block or task layout. The write stage groups by shard with Ray Data's pull-based sort
-   shuffle (much faster here than its default hash shuffle).
-4. Write (`groupby("shard").map_groups`): each group is one shard's rows; the task sorts them by
-   id and writes `part-NNNNN.parquet` itself (local folder or any URI pyarrow.fs opens) with
+   on the block or task layout.
+4. Write (`groupby("shard").map_groups`, through Ray Data's pull-based sort shuffle: much faster
+   here than its default hash shuffle): each group is one shard's rows; the task sorts them by id
+   and writes `part-NNNNN.parquet` itself (local folder or any URI pyarrow.fs opens) with
    `row_group_size=rows_per_block`, the blocks training reads (`blocks.py`).
 5. The driver writes the tokenizer copy and `_prepare.json` last: the keys of the single-process
    version plus `"engine": "ray"`.
@@ -122,6 +122,10 @@ def _slice_texts(piece: dict, text_field: str) -> Iterator[str]:
     or a Parquet piece (whole row groups, as `iter_parquet_texts`)."""
     if piece["kind"] == "parquet":
         parquet = pq.ParquetFile(piece["path"])
+        schema = parquet.schema_arrow
+        kind = schema.field(text_field).type if text_field in schema.names else pa.null()
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise ValueError(f"no text column '{text_field}'")  # the driver tells the whole story
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field],
                                           row_groups=range(piece["start"], piece["end"])):
             yield from (text for text in batch.column(0).to_pylist() if text)

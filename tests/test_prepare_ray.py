@@ -114,10 +114,10 @@ def test_runs_on_one_or_two_cpus_give_the_shards_of_the_local_prepare(
 @pytest.mark.ray
 def test_cli_engine_ray_writes_blocks_of_rows_per_block_and_dense_ids(ray_2cpu, inputs, tmp_path,
                                                                       capsys):
-    """Bytes through `elastic-train prepare --engine ray`: the stats on stdout, the final line
-    on stderr, the shards of the single-process prepare, row groups (training's blocks) of
-    `--rows-per-block` rows, ids 0..N-1 each once."""
-    argv = ["prepare", *inputs, "--output", str(tmp_path / "ray"), "--max-seq-len", "64",
+    """Bytes through `elastic-train prepare --engine ray` to a URI: the stats on stdout, the
+    final line on stderr, the shards of the single-process prepare, row groups (training's
+    blocks) of `--rows-per-block` rows, ids 0..N-1 each once."""
+    argv = ["prepare", *inputs, "--output", f"file://{tmp_path}/ray", "--max-seq-len", "64",
             "--rows-per-block", "16", "--seed", "3", "--engine", "ray"]
     assert cli_main(argv) == 0
     captured = capsys.readouterr()
@@ -139,8 +139,9 @@ def test_cli_engine_ray_writes_blocks_of_rows_per_block_and_dense_ids(ray_2cpu, 
 @pytest.mark.ray
 def test_an_error_in_a_task_is_the_local_value_error_and_writes_nothing(ray_2cpu, tmp_path,
                                                                         monkeypatch):
-    """A bad line in a later piece of a JSONL file: the message of the single-process prepare
-    (the file as given, the line in the file), and no output folder."""
+    """A bad line in a later piece of a JSONL file, a Parquet file cut into pieces without the
+    text column: the message of the single-process prepare (the file as given, the line in the
+    file), and no output folder."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(prepare_ray_module, "PIECE_BYTES", 64)
     Path("in").mkdir()
@@ -153,6 +154,14 @@ def test_an_error_in_a_task_is_the_local_value_error_and_writes_nothing(ray_2cpu
     assert str(ray_error.value) == str(local.value)
     assert str(local.value).startswith("'in/b.jsonl' line 31 is not valid JSON")
     assert not Path("out").exists()
+    Path("in", "b.jsonl").unlink()
+    pq.write_table(pa.table({"body": [f"text {i}" for i in range(40)]}), "in/c.parquet",
+                   row_group_size=4)  # many row groups: many pieces
+    with pytest.raises(ValueError, match="has no column 'text'") as local:
+        prepare(["in"], "local")
+    with pytest.raises(ValueError) as ray_error:
+        prepare_ray(["in"], "out", progress=False)
+    assert str(ray_error.value) == str(local.value) and not Path("out").exists()
 
 
 @pytest.mark.unit
