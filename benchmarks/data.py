@@ -8,7 +8,8 @@ rows), for W = 1, 2, 4, 8, each rank streams its steps of one epoch through the 
 share of the rows trained, and read amplification (rows read by all ranks / rows trained; before
 sharded reads every rank read the whole data set: W). Then the time from a new reader to its first
 step at the epoch's start and at a resume from the cursors of a step 90% into the epoch (what a
-restarted worker does), and the rows that resume read. Prints one JSON line.
+restarted worker does), and the rows that resume read; the same first step through the Ray Data
+reader (`data.reader=ray_data`) on a local cluster, cold and warm. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 import pyarrow.fs as pafs
 
-from elastic_train.blocks import BlockReader, build_block_table, iter_rank_steps
+from elastic_train.blocks import BlockReader, RayDataBlockReader, build_block_table, iter_rank_steps
 from elastic_train.plan import StreamSpec, owned_partitions
 from elastic_train.prepare import default_corpus_dir, inspect_dataset
 
@@ -48,12 +49,27 @@ def epoch_reads(table, spec: StreamSpec, world_size: int) -> dict:
             "bytes_read_per_rank": [r["bytes_read"] for r in ranks], "_cursors": cursors_at}
 
 
-def first_step_s(table, spec: StreamSpec, cursors=None) -> tuple[float, int]:
+def first_step_s(table, spec: StreamSpec, cursors=None, reader_class=BlockReader) -> tuple[float, int]:
     """Seconds from a new reader (rank 0 of 2) to its first step, and the rows it read for it."""
-    reader = BlockReader(table)
+    reader = reader_class(table)
     t0 = time.perf_counter()
     next(iter_rank_steps(reader, spec, partitions=owned_partitions(0, 2, K), epoch=0, cursors=cursors))
     return time.perf_counter() - t0, reader.counter.rows
+
+
+def ray_data_first_steps(table, spec: StreamSpec) -> dict:
+    """The same first step through the Ray Data reader on a new local cluster: cold (its read
+    tasks start worker processes) and warm (they exist), and the whole epoch of rank 0 of 2."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        cold, _ = first_step_s(table, spec, reader_class=RayDataBlockReader)
+        warm, _ = first_step_s(table, spec, reader_class=RayDataBlockReader)
+    finally:
+        ray.shutdown()
+    print(f"Ray Data reader: first step {cold:.2f} s cold, {warm:.2f} s warm")
+    return {"cold": round(cold, 3), "warm": round(warm, 3)}
 
 
 def main() -> None:
@@ -67,6 +83,7 @@ def main() -> None:
     late = sorted(cursors)[int(0.9 * len(cursors))]
     start_s, start_rows = first_step_s(table, spec)
     resume_s, resume_rows = first_step_s(table, spec, cursors[late])
+    ray_data = ray_data_first_steps(table, spec)
     for s in sizes:
         print(f"W={s['world_size']}: read amplification {s['read_amplification']:.3f}, worst rank read / "
               f"its share {s['worst_rank_read_over_share']:.3f}, bytes per rank {s['bytes_read_per_rank']}")
@@ -75,7 +92,8 @@ def main() -> None:
     print(json.dumps({"benchmark": "data", "rows": int(table.rows.sum()), "blocks": len(table),
                       "world_sizes": sizes, "first_step_s": round(start_s, 4),
                       "first_step_rows_read": start_rows, "resume_step": late,
-                      "resume_first_step_s": round(resume_s, 4), "resume_rows_read": resume_rows}))
+                      "resume_first_step_s": round(resume_s, 4), "resume_rows_read": resume_rows,
+                      "ray_data_first_step_s": ray_data}))
 
 
 if __name__ == "__main__":
