@@ -25,7 +25,7 @@ from ray.train.v2.api.report_config import CheckpointUploadMode
 from elastic_train import raycompat
 from elastic_train.blocks import BlockTable
 from elastic_train.checkpoint import write_checkpoint
-from elastic_train.config import Config, config_from_dict
+from elastic_train.config import FaultConfig, config_from_dict
 from elastic_train.rowgroups import DataError
 
 CRASH_COMMIT_WAIT_S = 120.0  # fault hooks: the longest wait for a checkpoint's commit
@@ -42,10 +42,12 @@ def _broadcast_from_rank0(value: Any) -> Any:
 class RayWorkerEnv:
     """What `loop.train_loop` sees of Ray Train on one worker."""
 
-    def __init__(self, cfg: Config, runlog, block_table: BlockTable,
+    def __init__(self, fault: FaultConfig, record_ids: bool, runlog, block_table: BlockTable,
                  extra_columns: tuple[str, ...] = ()) -> None:
         ctx = ray.train.get_context()
-        self.cfg = cfg
+        # Only what the env itself acts on: the config reaches the loop one way, as its argument.
+        self.fault = fault  # test hooks
+        self.record_ids = record_ids  # data.record_ids: log each step's sample ids
         self.runlog = runlog
         self.block_table = block_table  # the data set's blocks; the loop reads its partitions'
         self.extra_columns = extra_columns  # data set columns beyond id/tokens/length, for the loss
@@ -87,8 +89,8 @@ class RayWorkerEnv:
             return
         previous, self.last_saved_step = self.last_saved_step, step
         crash = (
-            self.cfg.fault.crash_in_checkpoint
-            and self.cfg.fault.crash_at_step == step
+            self.fault.crash_in_checkpoint
+            and self.fault.crash_at_step == step
             and snap is not None
             and ray.get(self.runlog.claim_fault.remote(f"crash_in_checkpoint@{step}"))
         )
@@ -191,7 +193,7 @@ class RayWorkerEnv:
         self.runlog.log_event.remote(record)
 
     def log_consumed(self, attempt: int, state, micro_batches) -> None:
-        if not self.cfg.data.record_ids:
+        if not self.record_ids:
             return
         ids = np.concatenate([mb.ids for mb in micro_batches]).tolist() if micro_batches else []
         line = {"attempt": attempt, "rank": self.world_rank, "step": state.step,
@@ -200,7 +202,7 @@ class RayWorkerEnv:
 
     # -- fault injection and the non-finite policy ----------------------------------------------
     def maybe_crash(self, step: int) -> None:
-        f = self.cfg.fault
+        f = self.fault
         if f.crash_in_checkpoint or f.crash_at_step != step or f.crash_rank != self.world_rank:
             return
         if ray.get(self.runlog.claim_fault.remote(f"crash@{step}")):
@@ -229,7 +231,7 @@ class RayWorkerEnv:
         ray.get(self.runlog.log_event.remote(record))
 
     def maybe_poison_gradient(self, model: torch.nn.Module, step: int) -> None:
-        f = self.cfg.fault
+        f = self.fault
         if f.nan_at_step != step or f.nan_rank != self.world_rank:
             return
         if f.nan_repeat or ray.get(self.runlog.claim_fault.remote(f"nan@{step}")):
@@ -268,7 +270,8 @@ def train_worker(config: dict[str, Any]) -> None:
     cfg = config_from_dict(config["config"])
     if not cfg.scaling.use_gpu:
         torch.set_num_threads(cfg.scaling.torch_threads)
-    env = RayWorkerEnv(cfg, config["runlog"], config["block_table"], tuple(config["extra_columns"]))
+    env = RayWorkerEnv(cfg.fault, cfg.data.record_ids, config["runlog"], config["block_table"],
+                       tuple(config["extra_columns"]))
     if ray.get(config["runlog"].progress.remote())["fatal"]:
         return  # an earlier attempt found what stops this run (see below)
     try:
