@@ -37,7 +37,9 @@ the line. Nothing is written: the output folder is only created once every input
 Cluster: the one this process is already connected to; else `RAY_ADDRESS`'s when set (inputs and
 output must then be reachable from every node: a shared folder, or a URI for the output); else a
 local cluster started here with `num_cpus` (default `os.cpu_count()`) logical CPUs, shut down at
-the end. Ray Data shows its progress bars; a final line says rows, tokens, shards and tokens/s.
+the end. The tokenizer is loaded once on the driver and shipped pickled (a Rust
+`tokenizers.Tokenizer` pickles), unpickled once per worker process: no node needs its path.
+Ray Data shows its progress bars; a final line says rows, tokens, shards and tokens/s.
 
 `elastic-train prepare --engine auto` (the default) runs this pipeline when `RAY_ADDRESS` is set or
 the inputs hold at least `AUTO_RAY_MIN_BYTES`, else `prepare.prepare`: starting Ray costs seconds
