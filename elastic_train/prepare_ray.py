@@ -101,14 +101,24 @@ PIECE_BYTES = 64 << 20
 # it, starting a cluster costs more than it saves, and the output is the same either way.
 AUTO_RAY_MIN_BYTES = 64 << 20
 ENGINES = ("auto", "ray", "local")
-# A piece that cannot be read gives one row with row = -1 and its ValueError's message: Ray does
-# not bring a task's exception back as an object, and this way the error reported is that of the
-# first bad file in input order, as with the single-process version.
-_TOKENIZED = pa.schema([("piece", pa.int32()), ("row", pa.int64()),
-                        ("tokens", pa.list_(pa.int32())), ("offset", pa.int64()),
-                        ("error", pa.string())])
 logger = logging.getLogger("elastic_train.prepare")
 _tokenizer_cache: dict[bytes, Tokenizer] = {}  # per worker process: unpickled once
+
+
+def _tokenized_schema(token_type: str) -> pa.Schema:
+    """The rows between the stages. Tokens are int16 when the vocabulary fits (half the object
+    store of int32; an id above the vocabulary is then an error, where the single-process version
+    would widen). A piece that cannot be read gives one row with row = -1 and its ValueError's
+    message: Ray does not bring a task's exception back as an object, and this way the error
+    reported is that of the first bad file in input order, as with the single-process version."""
+    return pa.schema([("piece", pa.int32()), ("row", pa.int64()),
+                      ("tokens", pa.list_(pa.from_numpy_dtype(np.dtype(token_type)))),
+                      ("offset", pa.int64()), ("error", pa.string())])
+
+
+def _token_type(widest: int) -> np.dtype:
+    """The token dtype of the single-process prepare for this largest id."""
+    return np.dtype(np.int16 if widest <= _INT16_MAX else np.int32)
 
 
 def _cached_tokenizer(blob: bytes) -> Tokenizer:
@@ -154,29 +164,34 @@ def _piece_rows(piece: dict, tokenizer: Tokenizer, max_seq_len: int, text_field:
     return rows.finish()
 
 
-def _tokenize(batch: pa.Table, *, tokenizer_blob: bytes, max_seq_len: int, text_field: str) -> pa.Table:
+def _tokenize(batch: pa.Table, *, tokenizer_blob: bytes, max_seq_len: int, text_field: str,
+              token_type: str) -> pa.Table:
     """Tokenize stage: the rows of each piece of the batch's task groups."""
     tokenizer = _cached_tokenizer(tokenizer_blob)
-    tables = [_TOKENIZED.empty_table()]
+    schema = _tokenized_schema(token_type)
+    tables = [schema.empty_table()]
     for piece in (piece for group in batch.column("pieces").to_pylist()
                   for piece in json.loads(group)):
         index = piece["piece"]
         try:
             values, spans = _piece_rows(piece, tokenizer, max_seq_len, text_field)
+            if len(values) and values.max() > np.iinfo(token_type).max:
+                raise ValueError(f"token id {values.max()} is above the vocabulary "
+                                 f"({tokenizer.vocab_size}) of the tokenizer")
         except ValueError as exc:
             tables.append(pa.table({"piece": [index], "row": [-1], "tokens": [[]], "offset": [-1],
-                                    "error": [str(exc)]}, schema=_TOKENIZED))
+                                    "error": [str(exc)]}, schema=schema))
             continue
         if len(spans) == 0:
             continue
         # gather_rows stores the rows back to back: row i is values[spans[i, 2]:spans[i, 3]].
         bounds = np.append(spans[:, 2], spans[-1, 3]).astype(np.int32)
-        tokens = pa.ListArray.from_arrays(pa.array(bounds), pa.array(values.astype(np.int32)))
+        tokens = pa.ListArray.from_arrays(pa.array(bounds), pa.array(values.astype(token_type)))
         tables.append(pa.table({
             "piece": pa.array(np.full(len(spans), index, dtype=np.int32)),
             "row": pa.array(np.arange(len(spans), dtype=np.int64)),
             "tokens": tokens, "offset": pa.array(spans[:, 1]),
-            "error": pa.nulls(len(spans), pa.string())}, schema=_TOKENIZED))
+            "error": pa.nulls(len(spans), pa.string())}, schema=schema))
     return pa.concat_tables(tables)
 
 
@@ -390,7 +405,7 @@ def _tokenize_all(files: list[Path], tokenizer: Tokenizer, cpus: int, max_seq_le
 
     pieces = _list_pieces(files)
     kwargs = {"tokenizer_blob": pickle.dumps(tokenizer), "max_seq_len": max_seq_len,
-              "text_field": text_field}
+              "text_field": text_field, "token_type": _token_type(int(tokenizer.vocab_size) - 1).name}
     groups = _task_groups(pieces, cpus)
     tokenized = (ray.data.from_items(groups, override_num_blocks=len(groups))
                  .map_batches(_tokenize, batch_size=1, batch_format="pyarrow", fn_kwargs=kwargs)
@@ -495,8 +510,7 @@ def prepare_ray(
             shown = ", ".join(f"'{file}' ({why})" for file, why in skipped[:3])
             logger.warning("skipped %d binary file(s), not text: %s%s", len(skipped), shown,
                            ", ..." if len(skipped) > 3 else "")
-        widest = max(int(tokenizer.vocab_size) - 1, int(top.max()))
-        token_type = np.dtype(np.int16 if widest <= _INT16_MAX else np.int32)
+        token_type = _token_type(max(int(tokenizer.vocab_size) - 1, int(top.max())))
         try:
             fs.create_dir(root, recursive=True)
         except OSError as exc:
