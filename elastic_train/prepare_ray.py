@@ -349,8 +349,26 @@ def _output_location(output: PathLike) -> tuple[pafs.FileSystem, str, str]:
     return fs, root, shown
 
 
-def _save_tokenizer(tokenizer: Tokenizer, fs: pafs.FileSystem, root: str) -> None:
-    """The tokenizer copy in `root/tokenizer/`, through a local folder for a URI."""
+def _check_arguments(max_seq_len: int, rows_per_shard: int, rows_per_block: int, seed: int) -> None:
+    """The argument checks of `prepare.prepare`, with its messages."""
+    if rows_per_block < 1:
+        raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
+    if max_seq_len < 1 or rows_per_shard < 1:
+        raise ValueError(f"max_seq_len ({max_seq_len}) and rows_per_shard ({rows_per_shard}) "
+                         "must both be at least 1")
+    if seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {seed}")
+
+
+def _create_output(fs: pafs.FileSystem, root: str, shown: str, tokenizer: Tokenizer) -> None:
+    """The output folder, with the tokenizer copy in `tokenizer/` (through a local folder for a
+    URI) unless bytes."""
+    try:
+        fs.create_dir(root, recursive=True)
+    except OSError as exc:
+        raise ValueError(f"output '{shown}' cannot be created: {exc}") from None
+    if tokenizer.kind == "bytes":
+        return
     if isinstance(fs, pafs.LocalFileSystem):
         tokenizer.save(Path(root) / TOKENIZER_DIR)
         return
@@ -483,13 +501,7 @@ def prepare_ray(
     Raises ValueError naming the culprit, as `prepare.prepare` does; all the checks that need no
     tokenizing run before Ray starts.
     """
-    if rows_per_block < 1:
-        raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
-    if max_seq_len < 1 or rows_per_shard < 1:
-        raise ValueError(f"max_seq_len ({max_seq_len}) and rows_per_shard ({rows_per_shard}) "
-                         "must both be at least 1")
-    if seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {seed}")
+    _check_arguments(max_seq_len, rows_per_shard, rows_per_block, seed)
     fs, root, target = _output_location(output)
     if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
         tokenizer = load_tokenizer(tokenizer)
@@ -511,12 +523,7 @@ def prepare_ray(
             logger.warning("skipped %d binary file(s), not text: %s%s", len(skipped), shown,
                            ", ..." if len(skipped) > 3 else "")
         token_type = _token_type(max(int(tokenizer.vocab_size) - 1, int(top.max())))
-        try:
-            fs.create_dir(root, recursive=True)
-        except OSError as exc:
-            raise ValueError(f"output '{output}' cannot be created: {exc}") from None
-        if tokenizer.kind != "bytes":
-            _save_tokenizer(tokenizer, fs, root)
+        _create_output(fs, root, str(output), tokenizer)
         shards = _write_all(tokenized, pieces, rows, tokens, cpus=cpus, seed=seed,
                             rows_per_shard=rows_per_shard, rows_per_block=rows_per_block,
                             target=target, names=[str(file) for file in files],
