@@ -36,7 +36,8 @@ def check_blocks(table: BlockTable, num_partitions: int, shown: str) -> None:
         raise ValueError(
             f"data set {shown} has {len(table)} Parquet row groups, fewer than the {need} this run "
             f"needs ({MIN_BLOCKS_PER_PARTITION} per data partition, {num_partitions} partitions): "
-            f"prepare it again with smaller row groups (elastic-train prepare --rows-per-block N), "
+            f"re-chunk it into smaller row groups (elastic-train prepare {shown} --output NEW_FOLDER "
+            f"--rows-per-block N), "
             f"or lower data.global_batch_tokens / data.micro_batch_tokens")
 
 

@@ -121,7 +121,9 @@ def prepare(
     text_field: str = "text",
 ) -> dict:
     """Turn text files, JSONL and Parquet files, or folders of them, into shuffled Parquet
-    shards of tokens: UTF-8 bytes, or `tokenizer`'s (a Tokenizer, or a path `load_tokenizer`
+    shards of tokens (a folder of Parquet that is tokenized already, with id/tokens/length and
+    no text column, is only re-chunked into `rows_per_block`-row groups: `rechunk.py`): UTF-8
+    bytes, or `tokenizer`'s (a Tokenizer, or a path `load_tokenizer`
     loads) with its EOS after each document. `text_field` names the text of JSONL/Parquet.
 
     Writes `output/tokenizer/` (unless bytes), `output/part-NNNNN.parquet`, then
@@ -141,6 +143,10 @@ def prepare(
         raise ValueError("--output: an empty path")
     out = Path(output)
     _check_output_free(out)
+    from elastic_train.rechunk import is_token_dataset, rechunk
+
+    if is_token_dataset(inputs, text_field):  # tokenized already: only new row groups
+        return rechunk(inputs[0], out, rows_per_block)
     if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
         tokenizer = load_tokenizer(tokenizer)
     skipped: list[tuple[Path, str]] = []

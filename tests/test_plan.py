@@ -236,3 +236,23 @@ def test_a_bad_row_is_named_while_streaming(tmp_path, bad, message):
         for mbs, _ in iter_rank_steps(reader, StreamSpec(2, 256, 20, seed=0), partitions=[0, 1], epoch=0):
             if not mbs:
                 break
+
+
+def test_foreign_parquet_with_huge_row_groups_is_refused_then_rechunked_by_prepare(tmp_path):
+    """A data set of one row group per file gets one error naming the fix; `prepare` with that
+    fix re-chunks it (every column and id kept) into a data set the plan accepts."""
+    from elastic_train.cli import main
+    from elastic_train.prepare import inspect_dataset
+
+    lengths = write_rows(tmp_path / "foreign", 600, rows_per_block=1000, files=2)
+    fix = "has 2 Parquet row groups.*elastic-train prepare .* --rows-per-block N"
+    with pytest.raises(ValueError, match=fix):
+        check_blocks(table_of(tmp_path / "foreign"), K, str(tmp_path / "foreign"))
+    assert main(["prepare", str(tmp_path / "foreign"), "--output", str(tmp_path / "rechunked"),
+                 "--rows-per-block", "30", "--engine", "local"]) == 0
+    table = table_of(tmp_path / "rechunked")
+    check_blocks(table, K, "rechunked")
+    assert len(table) == 20 and set(table.rows.tolist()) == {30}
+    steps, _, _ = run_epoch(table, 2)
+    assert sorted(i for s in steps.values() for v in s.values() for i in v) == sorted(lengths)
+    assert inspect_dataset(str(tmp_path / "rechunked")).max_token_id == 255
