@@ -24,7 +24,7 @@ import ray.data
 import ray.train
 import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic_train.blocks import BlockTable, build_block_table, check_blocks
@@ -310,6 +310,8 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
         storage = os.path.abspath(os.path.expanduser(storage))
     return TorchTrainer(
         train_loop_per_worker=train_worker,
+        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo",
+                                 timeout_s=s.collective_timeout_s),
         train_loop_config={"config": cfg.to_dict(), "runlog": runlog,
                            "block_table": dataset_blocks(info),
                            "extra_columns": extra_columns(info), "model_fn": model_fn,

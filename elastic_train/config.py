@@ -47,6 +47,9 @@ class ScalingConfig:
     resize_monitor_interval_s: float = 5.0  # how often an elastic run looks for room to grow
     preemption_poll_interval_s: float = 1.0  # how often Ray looks for nodes being drained (spot notices)
     torch_threads: int = 1  # intra-op threads per CPU worker
+    # a collective (all-reduce, barrier) that waits longer fails the attempt, so Ray restarts the
+    # group instead of idling every GPU for torch's default 30 minutes
+    collective_timeout_s: int = 300
 
 
 @dataclass
@@ -381,7 +384,7 @@ def _validate_scaling(s: ScalingConfig) -> None:
     _at_least("scaling.cpus_per_worker", s.cpus_per_worker, 0, strict=True)
     _require(s.max_failures >= -1, f"scaling.max_failures must be >= -1, got {s.max_failures}")
     for key in ("health_check_interval_s", "worker_group_start_timeout_s",
-                "resize_monitor_interval_s", "preemption_poll_interval_s"):
+                "resize_monitor_interval_s", "preemption_poll_interval_s", "collective_timeout_s"):
         _at_least(f"scaling.{key}", getattr(s, key), 0, strict=True)
     _at_least("scaling.torch_threads", s.torch_threads, 1)
     for name, amount in s.resources_per_worker.items():

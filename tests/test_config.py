@@ -163,3 +163,15 @@ def test_empty_section_in_a_file_takes_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("run:\ntrain:\n")
     assert load_config(path, ["run.name=x"]).run.name == "x"
+
+
+def test_collective_timeout_reaches_the_process_group(small_dataset, tmp_path):
+    """scaling.collective_timeout_s is the process group's timeout (not torch's 30 minutes)."""
+    from elastic_train.api import build_trainer, check_inputs
+
+    cfg = load_config(None, [f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
+                             "data.max_seq_len=128", "data.micro_batch_tokens=1024",
+                             "data.global_batch_tokens=4096", "scaling.collective_timeout_s=42"])
+    trainer = build_trainer(cfg, check_inputs(cfg), runlog=None)
+    torch_config = trainer.backend_config  # Ray 2.60: the TorchConfig given to TorchTrainer
+    assert (torch_config.backend, torch_config.timeout_s) == ("gloo", 42)
