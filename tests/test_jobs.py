@@ -138,8 +138,12 @@ def ray_head(tmp_path_factory):
 
 def _wait_until_up(proc: subprocess.Popen, head: Head, log_path: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
+    # The last check is the event the tests need: the head's job agent accepts a job (`ray job
+    # list` answers before the agent has registered: "No available agent to submit job").
     checks = [[str(BIN / "ray"), "status", "--address", head.gcs_address],
-              [str(BIN / "ray"), "job", "list", "--address", head.dashboard_url]]
+              [str(BIN / "ray"), "job", "list", "--address", head.dashboard_url],
+              [str(BIN / "ray"), "job", "submit", "--address", head.dashboard_url, "--no-wait",
+               "--", "true"]]
     while checks:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"Ray head did not come up; see {log_path}:\n"
