@@ -42,7 +42,9 @@ from elastic_train.sources import (  # noqa: F401  (TEXT_SUFFIXES, split_documen
     PathLike,
     collect_input_files,
     gather_rows,
+    no_text_message,
     split_document_spans,
+    warn_skipped,
 )
 from elastic_train.tokenizer import BYTE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -153,13 +155,8 @@ def prepare(
     files = collect_input_files(inputs, skipped)
     values, spans = gather_rows(files, tokenizer, max_seq_len, text_field)
     if len(spans) == 0:
-        shown = ", ".join(f"'{item}'" for item in inputs) or "(no inputs given)"
-        extra = f" (skipped {len(skipped)} binary file(s))" if skipped else ""
-        raise ValueError(f"no input text found in {shown}{extra}")
-    if skipped:
-        shown = ", ".join(f"'{file}' ({why})" for file, why in skipped[:3])
-        logger.warning("skipped %d binary file(s), not text: %s%s", len(skipped), shown,
-                       ", ..." if len(skipped) > 3 else "")
+        raise ValueError(no_text_message(inputs, skipped))
+    warn_skipped(skipped)
     spans = spans[np.random.default_rng(seed).permutation(len(spans))]
     max_token_id = int(values.max())
     widest = max(int(tokenizer.vocab_size) - 1, max_token_id)

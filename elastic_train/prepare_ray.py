@@ -87,6 +87,8 @@ from elastic_train.sources import (
     gather_rows,
     iter_jsonl_texts,
     iter_parquet_texts,
+    no_text_message,
+    warn_skipped,
 )
 from elastic_train.tokenizer import Tokenizer, load_tokenizer
 
@@ -507,9 +509,7 @@ def prepare_ray(
         tokenizer = load_tokenizer(tokenizer)
     skipped: list[tuple[Path, str]] = []
     files = collect_input_files(inputs, skipped)
-    shown = ", ".join(f"'{item}'" for item in inputs) or "(no inputs given)"
-    extra = f" (skipped {len(skipped)} binary file(s))" if skipped else ""
-    no_text = f"no input text found in {shown}{extra}"
+    no_text = no_text_message(inputs, skipped)
     if not files:
         raise ValueError(no_text)
     started = time.perf_counter()
@@ -518,10 +518,7 @@ def prepare_ray(
                                                              text_field)
         if rows.sum() == 0:
             raise ValueError(no_text)
-        if skipped:
-            shown = ", ".join(f"'{file}' ({why})" for file, why in skipped[:3])
-            logger.warning("skipped %d binary file(s), not text: %s%s", len(skipped), shown,
-                           ", ..." if len(skipped) > 3 else "")
+        warn_skipped(skipped)
         token_type = _token_type(max(int(tokenizer.vocab_size) - 1, int(top.max())))
         _create_output(fs, root, str(output), tokenizer)
         shards = _write_all(tokenized, pieces, rows, tokens, cpus=cpus, seed=seed,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import re
 from array import array
@@ -333,3 +334,19 @@ def gather_rows(files: Sequence[Path], tokenizer: Tokenizer, max_seq_len: int,
         for ids in made:
             rows.add(index, ids)
     return rows.finish()
+
+
+def no_text_message(inputs, skipped: list) -> str:
+    """The error for inputs that held no text (counting the binary files skipped)."""
+    shown = ", ".join(f"'{item}'" for item in inputs) or "(no inputs given)"
+    extra = f" (skipped {len(skipped)} binary file(s))" if skipped else ""
+    return f"no input text found in {shown}{extra}"
+
+
+def warn_skipped(skipped: list) -> None:
+    """One warning that counts the binary files skipped, naming the first three."""
+    if skipped:
+        shown = ", ".join(f"'{file}' ({why})" for file, why in skipped[:3])
+        logging.getLogger("elastic_train.prepare").warning(
+            "skipped %d binary file(s), not text: %s%s", len(skipped), shown,
+            ", ..." if len(skipped) > 3 else "")
