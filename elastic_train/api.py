@@ -42,6 +42,7 @@ from elastic_train.losses import LossFn
 from elastic_train.model import BYTE_VOCAB, ModelFn, build_model, input_embedding_rows
 from elastic_train.nodewatch import NodeWatcher
 from elastic_train.prepare import DatasetInfo, default_corpus_dir, inspect_dataset
+from elastic_train.rowgroups import hold_out
 from elastic_train.runlog import RunLog, split_uri
 from elastic_train.summary import build_summary
 from elastic_train.worker import train_worker
@@ -58,21 +59,55 @@ class TrainResult:
     checkpoint_path: str | None
 
 
-def resolve_dataset(cfg: Config) -> DatasetInfo:
-    """The dataset to train on, checked before any worker starts (ConfigError if unusable)."""
-    path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
+def resolve_dataset(cfg: Config, key: str = "data.path") -> DatasetInfo:
+    """The dataset to train on (or, with key="eval.path", to evaluate on), checked before any
+    worker starts (ConfigError naming the key if unusable)."""
+    if key == "eval.path":
+        path = cfg.eval.path
+    else:
+        path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
     try:
         info = inspect_dataset(path)
         check_sample_ids(info)
     except (ValueError, OSError) as exc:
-        raise ConfigError(f"data.path: {exc}") from None
+        raise ConfigError(f"{key}: {exc}") from None
     if info.max_length > cfg.data.max_seq_len:
         raise ConfigError(
-            f"data.path: dataset {path} has rows of {info.max_length} tokens, longer than "
+            f"{key}: dataset {path} has rows of {info.max_length} tokens, longer than "
             f"data.max_seq_len={cfg.data.max_seq_len}; prepare it again with --max-seq-len "
             f"{cfg.data.max_seq_len} or raise data.max_seq_len"
         )
     return info
+
+
+@dataclass
+class DataTables:
+    """The blocks a run trains on and those it evaluates on (None: no evaluation)."""
+
+    train: BlockTable
+    eval: BlockTable | None
+    eval_info: DatasetInfo | None  # eval.path's data set (None with eval.fraction)
+
+
+def data_tables(cfg: Config, info: DatasetInfo) -> DataTables:
+    """data.path's blocks, less the share eval.fraction holds out; or eval.path's blocks."""
+    table = dataset_blocks(info)
+    if cfg.eval.fraction > 0:
+        train, held = hold_out(table, cfg.eval.fraction)
+        return DataTables(train, held, None)
+    if cfg.eval.path:
+        eval_info = resolve_dataset(cfg, "eval.path")
+        missing = set(extra_columns(info)) - set(extra_columns(eval_info))
+        if missing:
+            raise ConfigError(f"eval.path: data set {eval_info.path} lacks the column(s) "
+                              f"{sorted(missing)} that the training data has (the loss reads them)")
+        if (eval_info.tokenizer_kind, eval_info.vocab_size) != (info.tokenizer_kind, info.vocab_size):
+            raise ConfigError(
+                f"eval.path: data set {eval_info.path} was tokenized with another tokenizer "
+                f"({eval_info.tokenizer_kind}, vocabulary {eval_info.vocab_size}) than data.path "
+                f"({info.tokenizer_kind}, vocabulary {info.vocab_size}): its loss would mean nothing")
+        return DataTables(table, dataset_blocks(eval_info), eval_info)
+    return DataTables(table, None, None)
 
 
 def run_uri(cfg: Config) -> str:
@@ -96,12 +131,15 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     if cfg.model.vocab_size is None and cfg.model.name != "hf":
         # a tokenizer may report fewer tokens than its largest id: the larger of the two
         cfg.model.vocab_size = max(info.vocab_size or 0, (info.max_token_id or -1) + 1) or BYTE_VOCAB
+    tables = data_tables(cfg, info)
     try:
-        check_blocks(dataset_blocks(info), num_partitions(cfg), info.path)
+        check_blocks(tables.train, num_partitions(cfg), info.path)
     except ValueError as exc:
         raise ConfigError(f"data.path: {exc}") from None
     model = build_meta_model(cfg, model_fn)
     check_model_fits_data(cfg, info, model)
+    if tables.eval_info is not None:
+        check_model_fits_data(cfg, tables.eval_info, model)
     check_storage(cfg)
     check_resumable(cfg, model_signature(model), info)
     return info
@@ -301,6 +339,7 @@ def driver_pythonpath() -> str:
 def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | None = None,
                   loss_fn: LossFn | None = None) -> TorchTrainer:
     s = cfg.scaling
+    tables = data_tables(cfg, info)
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
     if s.use_gpu:
@@ -313,7 +352,7 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo",
                                  timeout_s=s.collective_timeout_s),
         train_loop_config={"config": cfg.to_dict(), "runlog": runlog,
-                           "block_table": dataset_blocks(info),
+                           "block_table": tables.train, "eval_table": tables.eval,
                            "extra_columns": extra_columns(info), "model_fn": model_fn,
                            "loss_fn": loss_fn},
         scaling_config=ScalingConfig(

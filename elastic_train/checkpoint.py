@@ -15,14 +15,19 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+BEST_POINTER = "best_checkpoint.json"  # names the run's best checkpoint folder (keep_best)
 
 
 class CheckpointError(RuntimeError):
@@ -166,3 +171,75 @@ def load_checkpoint(
     if restore_rng:
         set_rng_state(extra["rng"])
     return state["train_state"]
+
+
+def write_best(snap: dict[str, Any], fs: pafs.FileSystem, run_path: str, step: int,
+               eval_loss: float) -> str:
+    """Keep `snap` as the run's best checkpoint (`checkpoint.keep_best`), beside Ray's newest N.
+
+    The folder `best_checkpoint_<step>` is written whole (manifest last), then `best_checkpoint.json`
+    is replaced to name it, then the previous best is deleted: a crash at any point leaves a
+    pointer to a complete folder (or none yet). Ray's own retention never sees these folders, so
+    it cannot delete the best when it is older than the newest `checkpoint.keep`."""
+    name = f"best_checkpoint_{step:09d}"
+    target = f"{run_path}/{name}"
+    previous = read_best_pointer(fs, run_path)
+    if isinstance(fs, pafs.LocalFileSystem):
+        shutil.rmtree(target, ignore_errors=True)  # a crashed earlier attempt's half
+        write_checkpoint(snap, target)
+    else:
+        with tempfile.TemporaryDirectory(prefix="elastic-train-best-") as local:
+            write_checkpoint(snap, local)
+            fs.create_dir(target, recursive=True)
+            pafs.copy_files(local, target, destination_filesystem=fs)
+    pointer = json.dumps({"checkpoint": name, "step": step, "eval_loss": eval_loss})
+    with fs.open_output_stream(f"{run_path}/{BEST_POINTER}.tmp") as f:
+        f.write(pointer.encode())
+    fs.move(f"{run_path}/{BEST_POINTER}.tmp", f"{run_path}/{BEST_POINTER}")
+    if previous and previous["checkpoint"] != name:
+        try:
+            fs.delete_dir(f"{run_path}/{previous['checkpoint']}")
+        except OSError:
+            pass  # already gone: nothing else refers to it
+    return name
+
+
+def read_best_pointer(fs: pafs.FileSystem, run_path: str) -> dict[str, Any] | None:
+    """The run's `best_checkpoint.json` ({checkpoint, step, eval_loss}), or None."""
+    try:
+        with fs.open_input_stream(f"{run_path}/{BEST_POINTER}") as f:
+            pointer = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return pointer if isinstance(pointer, dict) and isinstance(pointer.get("checkpoint"), str) else None
+
+
+class BestCheckpointWriter:
+    """Writes best checkpoints in a background thread (one at a time; the newest waits for the
+    one before), so that the loop is blocked only for the snapshot."""
+
+    def __init__(self, fs: pafs.FileSystem, run_path: str) -> None:
+        self.fs, self.run_path = fs, run_path
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, snap: dict[str, Any], step: int, eval_loss: float) -> None:
+        self.wait()
+
+        def write() -> None:
+            try:
+                write_best(snap, self.fs, self.run_path, step, eval_loss)
+            except BaseException as exc:  # noqa: BLE001 - raised again by wait(), in the loop
+                self._error = exc
+
+        self._thread = threading.Thread(target=write, daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the write in flight ends; raises what it raised (a full disk, say)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

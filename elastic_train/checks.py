@@ -197,13 +197,14 @@ def check_gpu(cfg: Config) -> None:
 
 
 def data_identity(cfg: Config, info: DatasetInfo) -> dict[str, Any]:
-    """What a checkpoint's data position depends on: data set, seed, partitions, shards."""
+    """What a checkpoint's data position depends on: data set, seed, partitions, the share held
+    out for evaluation (the rest is trained on), shards."""
     shards = []
     for file in info.files:
         with info.filesystem.open_input_file(file) as handle:
             shards.append([file.rsplit("/", 1)[-1], pq.ParquetFile(handle).metadata.num_rows])
     return {"path": _shown_path(info), "seed": cfg.data.seed, "partitions": num_partitions(cfg),
-            "shards": shards}
+            "held_out": cfg.eval.fraction, "shards": shards}
 
 
 def _shown_path(info: DatasetInfo) -> str:
@@ -215,7 +216,8 @@ def _shown_path(info: DatasetInfo) -> str:
 def identity_change(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """What differs between a saved data identity (any subset of the keys) and the current one."""
     labels = {"path": "data.path", "seed": "data.seed",
-              "partitions": "partition count (data.global_batch_tokens / data.micro_batch_tokens)"}
+              "partitions": "partition count (data.global_batch_tokens / data.micro_batch_tokens)",
+              "held_out": "eval.fraction (the share of data.path held out from training)"}
     for key, label in labels.items():
         if key in saved and saved[key] != current[key]:
             return f"{label} was {saved[key]!r}, now {current[key]!r}"

@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="the trained model -> a folder transformers or safetensors loads")
     p.add_argument("run_folder")
     p.add_argument("--output", required=True, help="new (or empty) folder to write")
-    p.add_argument("--checkpoint", default=None, help="checkpoint folder name (default: the newest)")
+    p.add_argument("--checkpoint", default=None, 
+                   help="checkpoint folder name (default: the best kept, else the newest)")
     p.set_defaults(func=_export)
     p = sub.add_parser("sample", help="print a continuation of a prompt by the trained model")
     p.add_argument("run_folder")
@@ -108,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", default=None, help="checkpoint folder name (default: the newest)")
+    p.add_argument("--checkpoint", default=None, 
+                   help="checkpoint folder name (default: the best kept, else the newest)")
     p.set_defaults(func=_sample)
     p = sub.add_parser("report", help="a run's figures as a table, plus loss.png and throughput.png")
     p.add_argument("run_folder")

@@ -113,9 +113,20 @@ class OptimConfig:
 
 
 @dataclass
+class EvalConfig:
+    # held-out data: a prepared data set of its own, or this share of data.path's blocks (whole
+    # Parquet row groups, picked by a salted hash of their file and row group) never trained on
+    path: str | None = None
+    fraction: float = 0.0
+    every_steps: int = 0  # evaluate after every N steps (0: only at the end) and at the end
+    max_batches: int | None = None  # bound an evaluation to its first N global batches
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = 50  # 0: only at the end
     keep: int = 2  # newest complete checkpoints kept
+    keep_best: bool = False  # also keep the checkpoint of the lowest eval loss (best_checkpoint/)
 
 
 @dataclass
@@ -126,6 +137,7 @@ class FaultConfig:
     nan_at_step: int | None = None  # test hook: poison one rank's gradient at this step
     nan_rank: int = 0
     nan_repeat: bool = False  # poison it on every attempt (tests rollback, then failure)
+    crash_in_eval: bool = False  # die in the middle of the evaluation after crash_at_step
 
 
 @dataclass
@@ -144,6 +156,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -365,6 +378,7 @@ def validate(cfg: Config) -> None:
     _require(cfg.checkpoint.every_steps >= 0,
              f"checkpoint.every_steps must be >= 0, got {cfg.checkpoint.every_steps}")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
+    _validate_eval(cfg.eval, cfg.checkpoint)
     _validate_model(cfg.model)
     _validate_fault(cfg.fault, s)
     _require(
@@ -422,6 +436,21 @@ def _validate_data(d: DataConfig, s: ScalingConfig) -> None:
              f"data.reader must be pyarrow or ray_data, got {d.reader!r}")
     _require(d.on_change in ("refuse", "keep_position"),
              f"data.on_change must be refuse or keep_position, got {d.on_change!r}")
+
+
+def _validate_eval(e: EvalConfig, c: CheckpointConfig) -> None:
+    _require(e.path is None or bool(e.path.strip()), "eval.path: an empty path")
+    _require(0 <= e.fraction < 0.5, f"eval.fraction must be in [0, 0.5), got {e.fraction}")
+    _require(not (e.path and e.fraction), f"eval.path ({e.path}) and eval.fraction ({e.fraction}) "
+                                          "both set: evaluate on one or the other")
+    _at_least("eval.every_steps", e.every_steps, 0)
+    _at_least("eval.max_batches", e.max_batches, 1)
+    _require(not c.keep_best or eval_enabled(e), "checkpoint.keep_best needs an evaluation: set "
+                                                 "eval.path or eval.fraction")
+
+
+def eval_enabled(e: EvalConfig) -> bool:
+    return bool(e.path) or e.fraction > 0
 
 
 def _validate_fault(f: FaultConfig, s: ScalingConfig) -> None:

@@ -4,8 +4,9 @@
     elastic-train sample RUN_FOLDER --prompt TEXT [--max-new-tokens N]
 
 The model is rebuilt from the run's resolved `config.yaml` (or the caller's `model_fn`, for runs
-that trained an inline model) and loaded from a complete checkpoint: the newest one unless
-`checkpoint` names another. For `model.name=hf` the export is a folder that
+that trained an inline model) and loaded from a complete checkpoint: the best one (lowest eval
+loss) when the run kept it (`checkpoint.keep_best`), else the newest, unless `checkpoint` names
+another. For `model.name=hf` the export is a folder that
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads (`save_pretrained`: safetensors,
 tied weights handled), with the data set's tokenizer beside it for `AutoTokenizer`; for any other
 model `model.safetensors`, the resolved `config.yaml` and the tokenizer's copy. The output is
@@ -20,11 +21,18 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import torch
 import yaml
 from torch import nn
 
-from elastic_train.checkpoint import MANIFEST, CheckpointError, read_state, signature_mismatch
+from elastic_train.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    read_best_pointer,
+    read_state,
+    signature_mismatch,
+)
 from elastic_train.config import Config, ConfigError, config_from_dict
 from elastic_train.losses import forward, make_batch
 from elastic_train.model import ModelFn, build_model
@@ -50,6 +58,17 @@ def latest_checkpoint(run_folder: Path) -> Path:
     return names[0]
 
 
+def default_checkpoint(run_folder: Path) -> Path:
+    """The best checkpoint (lowest eval loss, `checkpoint.keep_best`) when the run kept one and
+    it is complete, else the newest complete one."""
+    pointer = read_best_pointer(pafs.LocalFileSystem(), str(run_folder.resolve()))
+    if pointer is not None:
+        best = run_folder / pointer["checkpoint"]
+        if (best / MANIFEST).is_file():
+            return best
+    return latest_checkpoint(run_folder)
+
+
 def load_run_config(run_folder: Path) -> Config:
     path = run_folder / "config.yaml"
     if not path.is_file():
@@ -73,7 +92,7 @@ def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
     """Rebuild the run's model and load a checkpoint's weights into it (on the CPU, eval mode)."""
     folder = Path(run_folder)
     cfg = load_run_config(folder)
-    ckpt = folder / checkpoint if checkpoint else latest_checkpoint(folder)
+    ckpt = folder / checkpoint if checkpoint else default_checkpoint(folder)
     try:
         state = read_state(ckpt)
     except (CheckpointError, OSError) as exc:

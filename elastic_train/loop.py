@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.blocks import BlockReader, BlockTable, iter_rank_steps, make_reader
-from elastic_train.checkpoint import load_checkpoint, snapshot
+from elastic_train.checkpoint import BestCheckpointWriter, load_checkpoint, snapshot
 from elastic_train.config import Config, num_partitions
 from elastic_train.data import MicroBatch, Prefetcher
 from elastic_train.losses import LossFn, LossModule
@@ -56,6 +56,9 @@ class TrainState:
     skipped_steps: int = 0
     consecutive_skips: int = 0
     rows: int = 0  # rows trained (all ranks), for read_amplification
+    eval_step: int = 0  # the step after which the last evaluation ran (0: none yet)
+    best_eval_loss: float | None = None  # the lowest eval loss so far, and its step
+    best_step: int = 0
     # where each partition is in `epoch`: {partition: [window, micro-batches taken]} (blocks.py)
     cursors: dict[str, list[int]] = field(default_factory=dict)
 
@@ -339,6 +342,7 @@ class WorkerEnv(Protocol):
     last_saved_step: int
     extra_columns: tuple[str, ...]  # the data set's columns beyond id/tokens/length
     block_table: BlockTable  # the data set's blocks (built by the driver from Parquet footers)
+    eval_table: BlockTable | None  # the held-out blocks to evaluate on (None: no evaluation)
 
     def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module: ...
     def latest_checkpoint_dir(self) -> str | None: ...
@@ -348,8 +352,11 @@ class WorkerEnv(Protocol):
     def begin_attempt(self) -> int: ...
     def log_step(self, record: dict[str, Any]) -> None: ...
     def log_event(self, record: dict[str, Any]) -> None: ...
+    def log_eval(self, record: dict[str, Any]) -> None: ...
+    def best_writer(self) -> BestCheckpointWriter: ...  # keeps best checkpoints in the run folder
     def log_consumed(self, attempt: int, state: TrainState, micro_batches: list[MicroBatch]) -> None: ...
     def maybe_crash(self, step: int) -> None: ...
+    def maybe_crash_in_eval(self, step: int) -> None: ...
     def maybe_poison_gradient(self, model: torch.nn.Module, step: int) -> None: ...
     def handle_nonfinite(self, step: int, micro_batches: list[MicroBatch]) -> None: ...
 
@@ -360,6 +367,7 @@ class Training:
 
     model: torch.nn.Module  # LossModule(raw_model, loss), on the device, maybe in DDP or compiled
     raw_model: torch.nn.Module  # the user's module: what checkpoints and the optimizer hold
+    loss_module: LossModule  # LossModule(raw_model, loss) itself: evaluation calls it
     optimizer: torch.optim.Optimizer
     setup: StepSetup
     state: TrainState
@@ -375,7 +383,8 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     raw_model = build_model(cfg.model, cfg.data.max_seq_len, model_fn)
     exact = cfg.train.grad_reduce == "exact"
     check_fits_device(raw_model, cfg, env.device)
-    model = env.prepare_model(LossModule(raw_model, loss_fn), ddp=not exact)
+    loss_module = LossModule(raw_model, loss_fn)
+    model = env.prepare_model(loss_module, ddp=not exact)
     optimizer = build_optimizer(raw_model, cfg.optim, cfg.scaling.use_gpu)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16) if cfg.train.precision == "fp16" else None
     state = TrainState()
@@ -394,7 +403,7 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
         grad_clip=cfg.train.grad_clip, seed=cfg.train.seed, scaler=scaler, exact=reducer,
         count_targets=loss_fn is not None, pad_id=cfg.data.pad_id or 0,
         extra_columns=env.extra_columns)
-    return Training(model, raw_model, optimizer, setup, state)
+    return Training(model, raw_model, loss_module, optimizer, setup, state)
 
 
 def check_state_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -435,6 +444,77 @@ def _log_reads(env: WorkerEnv, attempt: int, reader: BlockReader) -> None:
                    "rows_read": reader.counter.rows, "bytes_read": reader.counter.bytes})
 
 
+@dataclass
+class EvalResult:
+    loss: float  # per target token, over the whole evaluation (all ranks)
+    targets: int
+    micro_batches: int
+    seconds: float
+
+
+def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, partitions: list[int], *,
+             setup: StepSetup, max_batches: int | None = None, on_batch=None) -> EvalResult:
+    """The loss per target token over the held-out blocks of `reader`'s table.
+
+    They are dealt to the run's K partitions and cut into micro-batches as a training epoch is
+    (epoch 0 of that table), and this rank evaluates its partitions' micro-batches, the first
+    `max_batches` of each: the same rows in the same micro-batches at any world size. Loss sums
+    are added in float64 and all-reduced once; a float64 sum of fp32 losses is exact, so the
+    result is the same to the bit at any world size (with the same weights: exact reduction).
+    """
+    t0 = time.perf_counter()
+    total = torch.zeros((), dtype=torch.float64, device=setup.device)
+    targets, count = 0.0, 0
+    steps = iter_rank_steps(reader, spec, partitions=partitions, epoch=0, pad_id=setup.pad_id)
+    loss_module.eval()  # no dropout
+    try:
+        with torch.no_grad():
+            for j, (micro_batches, _) in enumerate(steps):
+                if not micro_batches or (max_batches is not None and j >= max_batches):
+                    break
+                for mb in micro_batches:
+                    with autocast_context(setup.precision, setup.device):
+                        loss_sum, n_targets = loss_module(mb.to_batch(setup.device))
+                    total += loss_sum.detach().double()
+                    targets += float(n_targets)
+                    count += 1
+                    if on_batch is not None:
+                        on_batch()
+    finally:
+        loss_module.train()
+        reader.close()
+    loss_sum, targets, count = all_reduce_sum([float(total), targets, count], setup.device)
+    return EvalResult(loss_sum / max(targets, 1.0), int(targets), int(count),
+                      time.perf_counter() - t0)
+
+
+def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], attempt: int,
+             best: BestCheckpointWriter | None) -> None:
+    """Evaluate after the current step, log it (rank 0), and keep a new best checkpoint."""
+    state = t.state
+    reader = make_reader(cfg.data.reader, env.eval_table, env.extra_columns,
+                         input_embedding_rows(t.raw_model))
+    spec = StreamSpec(num_partitions(cfg), cfg.data.micro_batch_tokens, cfg.data.shuffle_window,
+                      cfg.data.seed, cfg.data.bucketing)
+    result = evaluate(t.loss_module, reader, spec, partitions, setup=t.setup,
+                      max_batches=cfg.eval.max_batches,
+                      on_batch=lambda: env.maybe_crash_in_eval(state.step))
+    state.eval_step = state.step
+    improved = state.best_eval_loss is None or result.loss < state.best_eval_loss
+    if improved:
+        state.best_eval_loss, state.best_step = result.loss, state.step
+    if env.world_rank != 0:
+        return
+    env.log_eval({"step": state.step, "epoch": state.epoch, "time": time.time(), "attempt": attempt,
+                  "eval_loss": result.loss, "eval_perplexity": math.exp(min(result.loss, 700.0)),
+                  "eval_targets": result.targets, "eval_micro_batches": result.micro_batches,
+                  "eval_s": result.seconds, "best_eval_loss": state.best_eval_loss,
+                  "best_step": state.best_step})
+    if improved and best is not None:
+        best.submit(snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state),
+                             cfg.to_dict(), env.world_size), state.step, result.loss)
+
+
 def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                loss_fn: LossFn | None = None) -> None:
     """Run (or resume) training on this worker until max_steps or the last epoch."""
@@ -449,6 +529,8 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     template = None  # a real micro-batch, for the dry-rank step (see dry_rank_batch)
     reader = make_reader(cfg.data.reader, env.block_table, env.extra_columns,
                          input_embedding_rows(t.raw_model))
+    evaluating = env.eval_table is not None
+    best = env.best_writer() if evaluating and cfg.checkpoint.keep_best and rank == 0 else None
     env.log_event({"event": "start", "attempt": attempt, "world_size": world_size,
                    "resumed_step": state.step, "rank": rank,
                    "utilisation": utilisation(num_partitions(cfg), world_size)})
@@ -506,6 +588,8 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                         rss_bytes=process.memory_info().rss, skipped=result.skipped, rows=int(rows),
                         micro_batches=int(n_mb), **_cuda_memory(env.device),
                     ))
+                if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
+                    run_eval(cfg, env, t, partitions, attempt, best)
                 env.maybe_crash(state.step)
                 periodic = cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0
                 if periodic or requested:
@@ -517,6 +601,10 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
         finally:
             stream.close()
             reader.close()
+    if evaluating and state.eval_step != state.step:  # the end, unless just evaluated
+        run_eval(cfg, env, t, partitions, attempt, best)
+    if best is not None:
+        best.wait()
     _log_reads(env, attempt, reader)
     save(env, cfg, t, final=True)
 

@@ -20,10 +20,13 @@ def _eta_s(history: list[tuple[float, int]], step: int, max_steps: int) -> float
     return (max_steps - step) * (t1 - t0) / (s1 - s0)
 
 
-def format_line(latest: dict[str, Any], attempts: list[dict], max_steps: int, eta_s) -> str:
+def format_line(latest: dict[str, Any], attempts: list[dict], max_steps: int, eta_s,
+                latest_eval: dict[str, Any] | None = None) -> str:
     eta = f"{eta_s:.0f}s" if eta_s is not None else "?"
+    evaluated = (f"eval {latest_eval['eval_loss']:.4f} (best {latest_eval['best_eval_loss']:.4f} "
+                 f"@{latest_eval['best_step']}) " if latest_eval else "")
     return (f"step {latest['step']}/{max_steps} epoch {latest['epoch']} "
-            f"loss {latest['loss']:.4f} lr {latest['lr']:.2e} "
+            f"loss {latest['loss']:.4f} {evaluated}lr {latest['lr']:.2e} "
             f"tok/s {latest['tokens_per_s']:.0f} workers {latest['world_size']} "
             f"restarts {max(len(attempts) - 1, 0)} eta {eta}")
 
@@ -46,6 +49,7 @@ class Progress:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._latest_eval: dict[str, Any] | None = None
 
     def start(self, runlog, poll: Callable[[], dict[str, Any]] | None = None) -> None:
         """Poll `runlog.progress()` every interval_s; `poll` replaces that call (tests)."""
@@ -72,6 +76,7 @@ class Progress:
         except Exception:  # the actor is gone at shutdown
             return None, [], None
         latest = state["latest"]
+        self._latest_eval = state.get("latest_eval")
         if latest is None:
             return None, state["attempts"], None
         if history and history[-1][1] > latest["step"]:
@@ -87,8 +92,8 @@ class Progress:
             latest, attempts, eta = self._poll(runlog, history)
             if latest and latest["step"] // self.every_steps != printed:
                 printed = latest["step"] // self.every_steps
-                print(format_line(latest, attempts, self.max_steps, eta), file=self.stream,
-                      flush=True)
+                print(format_line(latest, attempts, self.max_steps, eta, self._latest_eval),
+                      file=self.stream, flush=True)
 
     def _run_bar(self, runlog) -> None:
         from rich.console import Console
@@ -103,5 +108,6 @@ class Progress:
             while not self._stop.wait(self.interval_s):
                 latest, attempts, eta = self._poll(runlog, history)
                 if latest:
-                    info = format_line(latest, attempts, self.max_steps, eta).split(" ", 2)[2]
+                    info = format_line(latest, attempts, self.max_steps, eta,
+                                       self._latest_eval).split(" ", 2)[2]
                     bar.update(task, completed=latest["step"], info=info)

@@ -6,8 +6,8 @@ project (a field missing or not a number) are skipped, and the console says how 
 `attempts.json` or `summary.json` is an error naming the file. Without a summary.json, or with
 one older than the metrics (a resumed run that is still going, or whose driver died), the summary
 is computed from the logs up to their last line.
-`loss.png` shows loss against step for every attempt (a replayed step appears once per attempt)
-and `throughput.png` shows tokens/s against wall time; both mark each restart and resize.
+`loss.png` shows loss against step for every attempt (a replayed step appears once per attempt),
+and the eval loss when the run evaluated, and `throughput.png` shows tokens/s against wall time; both mark each restart and resize.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic_train.summary import build_summary, effective_records, ledger
+from elastic_train.summary import build_summary, effective_records, ledger, split_records
 
 LEDGER_PARTS = ("startup_s", "productive_s", "recovery_s", "replayed_s", "checkpoint_s",
-                "data_wait_s", "shutdown_s", "other_s")
+                "data_wait_s", "eval_s", "shutdown_s", "other_s")
 
 
 @dataclass
@@ -37,6 +37,7 @@ class RunFiles:
     summary: dict[str, Any]
     summary_source: str  # "summary.json" or why it was computed from the logs
     skipped: dict[str, int] = field(default_factory=dict)  # file -> corrupt/foreign lines left out
+    evals: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl's evaluation records
 
 
 @dataclass
@@ -96,6 +97,15 @@ def is_record(line: Any) -> bool:
             and math.isfinite(line["time"]) and math.isfinite(line["step_time_s"]))
 
 
+EVAL_NUMBERS = ("step", "attempt", "time", "eval_loss", "eval_s")
+
+
+def is_eval_record(line: Any) -> bool:
+    """A metrics.jsonl evaluation record (`eval_loss` and the numbers drawn with it)."""
+    return (isinstance(line, dict) and all(_is_number(line.get(k)) for k in EVAL_NUMBERS)
+            and math.isfinite(line["time"]))
+
+
 def is_event(line: Any) -> bool:
     """An events.jsonl record: a time and an event name (data_read ones with their counts)."""
     if not (isinstance(line, dict) and _is_number(line.get("time"))
@@ -144,13 +154,13 @@ def _is_attempts(content: Any) -> bool:
 
 
 def summary_from_logs(folder: Path, records: list[dict], events: list[dict],
-                      attempts: list[dict], reason: str) -> dict[str, Any]:
+                      attempts: list[dict], reason: str, evals: list[dict]) -> dict[str, Any]:
     """build_summary, but ending at the logs' last line rather than now, and over the lines
     that were kept (build_summary reads a copy of them, never the corrupt or foreign ones)."""
     start = fit_start_time(records, events, attempts)
     end = max([r["time"] for r in records] + [e["time"] for e in events])
     with tempfile.TemporaryDirectory(prefix="elastic-train-report-") as clean:
-        for name, lines in (("metrics.jsonl", records), ("events.jsonl", events)):
+        for name, lines in (("metrics.jsonl", records + evals), ("events.jsonl", events)):
             Path(clean, name).write_text("".join(json.dumps(line) + "\n" for line in lines))
         Path(clean, "attempts.json").write_text(json.dumps(attempts))
         summary = build_summary(clean, start_time=start)
@@ -158,7 +168,7 @@ def summary_from_logs(folder: Path, records: list[dict], events: list[dict],
     fit_real = sum(r["real_tokens"] for r in effective_records(records).values()
                    if r["time"] >= start)
     summary.update(status="incomplete", reason=reason, wall_s=wall, tokens_per_s=fit_real / wall,
-                   ledger=ledger(records, events, start, end))
+                   ledger=ledger(records, events, start, end, evals))
     summary["goodput"] = summary["ledger"]["goodput"]
     return summary
 
@@ -172,7 +182,8 @@ def load_run(folder: str | Path) -> RunFiles:
         raise FileNotFoundError(f"run folder {folder} is a file, not a run folder")
     if not folder.is_dir():
         raise FileNotFoundError(f"run folder {folder} does not exist")
-    records, skipped_records = read_lines(metrics, is_record)
+    lines, skipped_records = read_lines(metrics, lambda r: is_record(r) or is_eval_record(r))
+    records, evals = split_records(lines)
     if not records:
         what = ("no metrics.jsonl" if not metrics.is_file() else
                 f"no step in {metrics} ({skipped_records} corrupt or foreign lines)"
@@ -191,9 +202,9 @@ def load_run(folder: str | Path) -> RunFiles:
         source = "computed from the logs: summary.json is older than metrics.jsonl (resumed run)"
     else:
         summary = _read_json_file(summary_path, lambda c: isinstance(c, dict), "a JSON object")
-        return RunFiles(folder, records, events, attempts, summary, "summary.json", skipped)
-    summary = summary_from_logs(folder, records, events, attempts, source)
-    return RunFiles(folder, records, events, attempts, summary, source, skipped)
+        return RunFiles(folder, records, events, attempts, summary, "summary.json", skipped, evals)
+    summary = summary_from_logs(folder, records, events, attempts, source, evals)
+    return RunFiles(folder, records, events, attempts, summary, source, skipped, evals)
 
 
 def by_attempt(records: list[dict]) -> dict[int, list[dict]]:
@@ -251,6 +262,9 @@ def build_table(run: RunFiles):
     table.add_row("steps", f"{s.get('steps')} (epochs completed {s.get('epochs_completed', '-')})")
     table.add_row("loss first → final", f"{_fmt(s.get('first_loss'), '.4f')} → "
                                         f"{_fmt(s.get('final_loss'), '.4f')}")
+    if s.get("best_eval_loss") is not None:
+        table.add_row("eval loss final (best @ step)", f"{_fmt(s.get('final_eval_loss'), '.4f')} "
+                      f"({_fmt(s.get('best_eval_loss'), '.4f')} @ {s.get('best_step')})")
     table.add_row("real tokens", _fmt(s.get("real_tokens"), ","))
     table.add_row("tokens/s (whole fit)", _fmt(s.get("tokens_per_s"), ",.0f"))
     stepping = sum(r["step_time_s"] for r in effective_records(run.records).values())
@@ -308,7 +322,8 @@ def _draw_marks(ax, marks: list[Mark], xs: list[float | None]) -> list[Mark]:
 
 
 def plot_loss(run: RunFiles, marks: list[Mark], path: Path) -> list[Mark]:
-    """loss.png: loss per step, one colour per attempt; superseded (replayed) records hollow."""
+    """loss.png: loss per step, one colour per attempt; superseded (replayed) records hollow;
+    the eval loss (each step's latest evaluation) on the same axes."""
     kept = {id(r) for r in effective_records(run.records).values()}
     fig, ax = _figure()
     for k, recs in by_attempt(run.records).items():
@@ -321,6 +336,10 @@ def plot_loss(run: RunFiles, marks: list[Mark], path: Path) -> list[Mark]:
             ax.plot([r["step"] for r in replayed], [r["loss"] for r in replayed], linestyle="none",
                     marker="o", markersize=7, markerfacecolor="none", color=colour,
                     label=f"attempt {k}: steps replayed later")
+    evals = effective_records(run.evals)
+    if evals:
+        ax.plot(list(evals), [r["eval_loss"] for r in evals.values()], color="black",
+                marker="s", markersize=5, linewidth=1.6, label="eval loss (held out)")
     drawn = _draw_marks(ax, marks, [m.step for m in marks])
     ax.set(xlabel="step", ylabel="loss", title=f"{run.folder.name}: loss per step")
     ax.grid(alpha=0.3)

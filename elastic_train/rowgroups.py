@@ -6,6 +6,7 @@ this module in fresh worker processes, and a light import is most of their start
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,28 @@ class BlockTable:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def subset(self, blocks: np.ndarray) -> BlockTable:
+        """A table of only `blocks` (indices into this one), in that order."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        return BlockTable(self.files, self.file_index[blocks], self.row_group[blocks],
+                          self.rows[blocks], self.tokens[blocks])
+
+
+def hold_out(table: BlockTable, fraction: float) -> tuple[BlockTable, BlockTable]:
+    """(training blocks, held-out blocks): the round(fraction x blocks) blocks (at least one) of
+    lowest salted hash of (shard file name, row group). Whole blocks, so each stays one read; a
+    hash of what a block is, not where it lies in the table nor the data seed, so the held-out
+    rows stay the same when shards are listed in another order or the seed changes, and the
+    choice owes nothing to the partition deal (plan.assign_blocks)."""
+    names = [uri.rsplit("/", 1)[-1] for uri in table.files]
+    keys = [int.from_bytes(hashlib.blake2b(f"{names[f]}#{g}".encode(), digest_size=8,
+                                           key=b"elastic_train.eval").digest(), "big")
+            for f, g in zip(table.file_index.tolist(), table.row_group.tolist(), strict=True)]
+    count = max(1, round(fraction * len(table)))
+    held = np.sort(np.argsort(np.array(keys, dtype=np.uint64), kind="stable")[:count])
+    kept = np.setdiff1d(np.arange(len(table)), held)
+    return table.subset(kept), table.subset(held)
 
 
 def _row_group_tokens(meta: pq.RowGroupMetaData, rows: int) -> int:

@@ -89,6 +89,7 @@ class RunLog:
         self.attempts: list[dict] = self.folder.read_json("attempts.json", [])
         self.faults: dict[str, bool] = self.folder.read_json("faults.json", {})
         self.latest: dict[str, Any] | None = None
+        self.latest_eval: dict[str, Any] | None = None
         self.fatal: str | None = None
         self.checkpoint_request: str | None = None
         self.requested_step: int | None = None
@@ -104,6 +105,14 @@ class RunLog:
 
     def log_step(self, record: dict[str, Any]) -> None:
         self.latest = record
+        self._log_metrics(record)
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """An evaluation's record: in metrics.jsonl too, told apart by its `eval_loss`."""
+        self.latest_eval = record
+        self._log_metrics(record)
+
+    def _log_metrics(self, record: dict[str, Any]) -> None:
         self.folder.append("metrics.jsonl", [json.dumps(record)])
         if self.tb is not None:
             self.tb.write(record)
@@ -146,7 +155,8 @@ class RunLog:
         self.log_event({"event": "fatal", "message": message})
 
     def progress(self) -> dict[str, Any]:
-        return {"latest": self.latest, "attempts": self.attempts, "fatal": self.fatal}
+        return {"latest": self.latest, "latest_eval": self.latest_eval, "attempts": self.attempts,
+                "fatal": self.fatal}
 
     def local_folder(self) -> str:
         return str(self.folder.local)

@@ -25,6 +25,31 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def split_records(lines: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+    """metrics.jsonl's lines as (step records, evaluation records: those with `eval_loss`)."""
+    steps = [r for r in lines if "eval_loss" not in r]
+    return steps, [r for r in lines if "eval_loss" in r]
+
+
+def eval_figures(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """`final_eval_loss` (of the latest step evaluated), `best_eval_loss` and its `best_step`,
+    over the evaluations of each step's latest attempt (a step evaluated again after a restart
+    counts once)."""
+    effective = effective_records(evals)
+    if not effective:
+        return {}
+    last = effective[max(effective)]
+    best = min(effective.values(), key=lambda r: (r["eval_loss"], r["step"]))
+    return {"final_eval_loss": last["eval_loss"], "final_eval_perplexity": last.get("eval_perplexity"),
+            "best_eval_loss": best["eval_loss"], "best_step": best["step"],
+            "eval_steps": sorted(effective)}
+
+
+def _eval_s_within(evals: list[dict], after: float, until: float) -> float:
+    """Seconds of the evaluations that ended in (after, until]."""
+    return sum(e["eval_s"] for e in evals if after < e["time"] <= until)
+
+
 def effective_records(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """step -> the record of that step's latest attempt."""
     latest: dict[int, dict[str, Any]] = {}
@@ -35,16 +60,19 @@ def effective_records(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]
     return dict(sorted(latest.items()))
 
 
-def ledger(records: list[dict], events: list[dict], start_time: float, end_time: float) -> dict:
+def ledger(records: list[dict], events: list[dict], start_time: float, end_time: float,
+           evals: list[dict] | None = None) -> dict:
     """Split this fit's wall time into start-up, productive, recovery, replayed, checkpoint
-    blocking, data wait, shutdown (after the last step: final checkpoint, worker group teardown)
-    and the rest (logging and bookkeeping between steps)."""
+    blocking, data wait, evaluation, shutdown (after the last step: final checkpoint, worker group
+    teardown) and the rest (logging and bookkeeping between steps). Evaluation is neither
+    training nor lost: its own line, taken out of whichever gap it ran in."""
     fit = [r for r in records if r["time"] >= start_time]
+    evals = [e for e in evals or [] if e["time"] >= start_time]
     effective = effective_records(fit)
     kept = {id(r) for r in effective.values()}
     wall = max(end_time - start_time, 1e-9)
     parts = {"startup_s": 0.0, "productive_s": 0.0, "recovery_s": 0.0, "replayed_s": 0.0,
-             "checkpoint_s": 0.0, "data_wait_s": 0.0, "shutdown_s": 0.0}
+             "checkpoint_s": 0.0, "data_wait_s": 0.0, "eval_s": 0.0, "shutdown_s": 0.0}
     previous_end = None
     previous_attempt = None
     for rec in fit:
@@ -52,7 +80,8 @@ def ledger(records: list[dict], events: list[dict], start_time: float, end_time:
         if previous_attempt is None:
             parts["startup_s"] = begin - start_time
         elif rec["attempt"] != previous_attempt:
-            parts["recovery_s"] += max(begin - previous_end, 0.0)
+            parts["recovery_s"] += max(begin - previous_end - _eval_s_within(evals, previous_end, begin),
+                                       0.0)
         previous_end, previous_attempt = rec["time"], rec["attempt"]
         parts["data_wait_s"] += rec["data_wait_s"]
         compute = rec["step_time_s"] - rec["data_wait_s"]
@@ -61,8 +90,10 @@ def ledger(records: list[dict], events: list[dict], start_time: float, end_time:
         e.get("blocked_s", 0.0) for e in events
         if e.get("event") == "checkpoint" and not e.get("final") and e["time"] >= start_time
     )
+    parts["eval_s"] = sum(e["eval_s"] for e in evals)
     if fit:
-        parts["shutdown_s"] = max(end_time - previous_end, 0.0)
+        parts["shutdown_s"] = max(end_time - previous_end - _eval_s_within(evals, previous_end, end_time),
+                                  0.0)
     else:
         parts["startup_s"] = wall
     parts["other_s"] = wall - sum(parts.values())
@@ -74,7 +105,7 @@ def ledger(records: list[dict], events: list[dict], start_time: float, end_time:
 def build_summary(folder: str | Path, start_time: float, error: str | None = None) -> dict:
     folder = Path(folder)
     end_time = time.time()
-    records = read_jsonl(folder / "metrics.jsonl")
+    records, evals = split_records(read_jsonl(folder / "metrics.jsonl"))
     events = read_jsonl(folder / "events.jsonl")
     attempts = json.loads((folder / "attempts.json").read_text()) if (
         folder / "attempts.json").is_file() else []
@@ -103,7 +134,8 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
         "optimizer_state_bytes_per_param": next(
             (e["bytes_per_param"] for e in reversed(events) if e.get("event") == "optimizer_state"),
             None),
-        "ledger": ledger(records, events, start_time, end_time),
+        "ledger": ledger(records, events, start_time, end_time, evals),
+        **eval_figures(evals),
     }
     summary["goodput"] = summary["ledger"]["goodput"]
     summary.update(read_figures(events, sum(r.get("rows", 0) for r in effective.values())))

@@ -24,7 +24,7 @@ from ray.train.v2.api.report_config import CheckpointUploadMode
 
 from elastic_train import raycompat
 from elastic_train.blocks import BlockTable
-from elastic_train.checkpoint import write_checkpoint
+from elastic_train.checkpoint import BestCheckpointWriter, write_checkpoint
 from elastic_train.config import FaultConfig, config_from_dict
 from elastic_train.rowgroups import DataError
 
@@ -43,13 +43,14 @@ class RayWorkerEnv:
     """What `loop.train_loop` sees of Ray Train on one worker."""
 
     def __init__(self, fault: FaultConfig, record_ids: bool, runlog, block_table: BlockTable,
-                 extra_columns: tuple[str, ...] = ()) -> None:
+                 extra_columns: tuple[str, ...] = (), eval_table: BlockTable | None = None) -> None:
         ctx = ray.train.get_context()
         # Only what the env itself acts on: the config reaches the loop one way, as its argument.
         self.fault = fault  # test hooks
         self.record_ids = record_ids  # data.record_ids: log each step's sample ids
         self.runlog = runlog
         self.block_table = block_table  # the data set's blocks; the loop reads its partitions'
+        self.eval_table = eval_table  # the held-out blocks (None: no evaluation)
         self.extra_columns = extra_columns  # data set columns beyond id/tokens/length, for the loss
         self.world_rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
@@ -192,6 +193,12 @@ class RayWorkerEnv:
     def log_event(self, record: dict[str, Any]) -> None:
         self.runlog.log_event.remote(record)
 
+    def log_eval(self, record: dict[str, Any]) -> None:
+        self.runlog.log_eval.remote(record)
+
+    def best_writer(self) -> BestCheckpointWriter:
+        return BestCheckpointWriter(*raycompat.worker_run_folder())
+
     def log_consumed(self, attempt: int, state, micro_batches) -> None:
         if not self.record_ids:
             return
@@ -203,9 +210,19 @@ class RayWorkerEnv:
     # -- fault injection and the non-finite policy ----------------------------------------------
     def maybe_crash(self, step: int) -> None:
         f = self.fault
-        if f.crash_in_checkpoint or f.crash_at_step != step or f.crash_rank != self.world_rank:
+        if f.crash_in_checkpoint or f.crash_in_eval or f.crash_at_step != step \
+                or f.crash_rank != self.world_rank:
             return
         if ray.get(self.runlog.claim_fault.remote(f"crash@{step}")):
+            self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False)
+            os._exit(1)
+
+    def maybe_crash_in_eval(self, step: int) -> None:
+        """Test hook: die in the evaluation after step `crash_at_step` (after its first batch)."""
+        f = self.fault
+        if not f.crash_in_eval or f.crash_at_step != step or f.crash_rank != self.world_rank:
+            return
+        if ray.get(self.runlog.claim_fault.remote(f"crash_in_eval@{step}")):
             self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False)
             os._exit(1)
 
@@ -271,7 +288,7 @@ def train_worker(config: dict[str, Any]) -> None:
     if not cfg.scaling.use_gpu:
         torch.set_num_threads(cfg.scaling.torch_threads)
     env = RayWorkerEnv(cfg.fault, cfg.data.record_ids, config["runlog"], config["block_table"],
-                       tuple(config["extra_columns"]))
+                       tuple(config["extra_columns"]), config.get("eval_table"))
     if ray.get(config["runlog"].progress.remote())["fatal"]:
         return  # an earlier attempt found what stops this run (see below)
     try:

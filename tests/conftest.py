@@ -14,6 +14,7 @@ TINY = [
     "model.n_layer=1", "model.d_model=32", "model.n_head=2",
     "data.max_seq_len=128", "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096",
     "log.progress=none", "scaling.health_check_interval_s=0.1",
+    "eval.fraction=0", "checkpoint.keep_best=false",  # evaluation: tests of its own
 ]
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pyarrow.fs as pafs
 import torch
 
-from elastic_train.api import dataset_blocks
+from elastic_train.api import data_tables
+from elastic_train.checkpoint import BestCheckpointWriter
 from elastic_train.config import Config
 from elastic_train.loop import train_loop
 from elastic_train.prepare import inspect_dataset
@@ -19,12 +21,16 @@ class LocalEnv:
     device = torch.device("cpu")
     world_rank, world_size = 0, 1
 
-    def __init__(self, block_table, extra_columns: tuple[str, ...] = ()) -> None:
+    def __init__(self, block_table, extra_columns: tuple[str, ...] = (), eval_table=None,
+                 folder: str | None = None) -> None:
         self.block_table = block_table
+        self.eval_table = eval_table
         self.extra_columns = extra_columns
+        self.folder = folder  # where best checkpoints go (checkpoint.keep_best)
         self.last_saved_step = -1
         self.final: dict[str, Any] | None = None
         self.steps: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
 
     def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module:
         return model
@@ -46,10 +52,18 @@ class LocalEnv:
     def log_step(self, record: dict[str, Any]) -> None:
         self.steps.append(record)
 
+    def log_eval(self, record: dict[str, Any]) -> None:
+        self.evals.append(record)
+
+    def best_writer(self) -> BestCheckpointWriter:
+        assert self.folder is not None, "LocalEnv(folder=...) keeps best checkpoints"
+        return BestCheckpointWriter(pafs.LocalFileSystem(), self.folder)
+
     def checkpoint_committed(self, step: int) -> None: ...
     def log_event(self, record: dict[str, Any]) -> None: ...
     def log_consumed(self, attempt: int, state, micro_batches) -> None: ...
     def maybe_crash(self, step: int) -> None: ...
+    def maybe_crash_in_eval(self, step: int) -> None: ...
     def maybe_poison_gradient(self, model: torch.nn.Module, step: int) -> None: ...
 
     def handle_nonfinite(self, step: int, micro_batches) -> None:
@@ -57,9 +71,10 @@ class LocalEnv:
 
 
 def train_locally(cfg: Config, model_fn=None, loss_fn=None,
-                  extra_columns: tuple[str, ...] = ()) -> LocalEnv:
+                  extra_columns: tuple[str, ...] = (), folder: str | None = None) -> LocalEnv:
     """Train `cfg` (a resolved config, e.g. a run's config.yaml) in this process, uninterrupted."""
-    env = LocalEnv(dataset_blocks(inspect_dataset(cfg.data.path)), extra_columns)
+    tables = data_tables(cfg, inspect_dataset(cfg.data.path))
+    env = LocalEnv(tables.train, extra_columns, tables.eval, folder)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.ray
 BIN = Path(sys.executable).parent
 USER_MODELS = Path(__file__).parent / "user_models"
 SMALL = ["data.max_seq_len=128", "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096",
-         "log.progress=none", "scaling.health_check_interval_s=0.1", "checkpoint.every_steps=4"]
+         "log.progress=none", "scaling.health_check_interval_s=0.1", "checkpoint.every_steps=4",
+         "eval.fraction=0", "checkpoint.keep_best=false"]
 
 
 @pytest.fixture(scope="module")

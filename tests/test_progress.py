@@ -88,5 +88,7 @@ def test_format_line_and_eta():
     assert line == ("step 7/20 epoch 1 loss 2.5000 lr 3.00e-04 tok/s 5000 workers 3 "
                     "restarts 1 eta 13s")
     assert format_line(latest, [], 20, None).endswith("restarts 0 eta ?")
+    evaluated = {"eval_loss": 2.75, "best_eval_loss": 2.625, "best_step": 4}
+    assert "loss 2.5000 eval 2.7500 (best 2.6250 @4) lr" in format_line(latest, [], 20, None, evaluated)
     assert _eta_s([(0.0, 2), (10.0, 7)], 7, 20) == pytest.approx(26.0)
     assert _eta_s([(0.0, 2)], 2, 20) is None
