@@ -7,7 +7,8 @@ project (a field missing or not a number) are skipped, and the console says how 
 one older than the metrics (a resumed run that is still going, or whose driver died), the summary
 is computed from the logs up to their last line.
 `loss.png` shows loss against step for every attempt (a replayed step appears once per attempt),
-and the eval loss when the run evaluated, and `throughput.png` shows tokens/s against wall time; both mark each restart and resize.
+and the eval loss when the run evaluated, and `throughput.png` shows tokens/s against wall time;
+both mark each restart and resize.
 """
 
 from __future__ import annotations
