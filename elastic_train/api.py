@@ -27,6 +27,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastic_train import provenance
 from elastic_train.blocks import BlockTable, build_block_table, check_blocks
 from elastic_train.checkpoint import MANIFEST, model_signature, signature_mismatch
 from elastic_train.checks import (
@@ -214,7 +215,24 @@ def check_resumable(cfg: Config, ours: dict[str, list[int]], info: DatasetInfo |
                               f"another run.name, or the model config it was trained with")
         if info is not None:
             _check_same_data(cfg, info, state, fs, folder, name)
+            if isinstance(state.get("provenance"), dict):
+                _check_provenance(cfg, info, state["provenance"], name)
         return
+
+
+def _check_provenance(cfg: Config, info: DatasetInfo, saved: dict, name: str) -> None:
+    """A resume on other data content or another tokenizer is refused (unless
+    data.on_change=keep_position); on other library versions or code, it warns naming them."""
+    refusing, warning = provenance.changes(saved, provenance.driver_record(info))
+    if refusing and cfg.data.on_change != "keep_position":
+        raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} was trained on other data: "
+                          f"{'; '.join(refusing)}. Use another run.name, the data it was trained on, "
+                          "or data.on_change=keep_position to resume anyway")
+    if refusing:
+        warning = refusing + warning
+    if warning:
+        logger.warning("run %s: resuming checkpoint %s, written with %s", cfg.run.name, name,
+                       "; ".join(warning))
 
 
 def _read_json(fs: pafs.FileSystem, path: str, what: str):
@@ -337,7 +355,7 @@ def driver_pythonpath() -> str:
 
 
 def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | None = None,
-                  loss_fn: LossFn | None = None) -> TorchTrainer:
+                  loss_fn: LossFn | None = None, record: dict | None = None) -> TorchTrainer:
     s = cfg.scaling
     tables = data_tables(cfg, info)
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
@@ -354,7 +372,7 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
         train_loop_config={"config": cfg.to_dict(), "runlog": runlog,
                            "block_table": tables.train, "eval_table": tables.eval,
                            "extra_columns": extra_columns(info), "model_fn": model_fn,
-                           "loss_fn": loss_fn},
+                           "loss_fn": loss_fn, "provenance": record or {}},
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
             elastic_resize_monitor_interval_s=s.resize_monitor_interval_s,
@@ -419,8 +437,10 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
     runlog = start_runlog(cfg)
     try:
         save_config(cfg, runlog)
+        record = provenance.driver_record(info, data_tables(cfg, info).eval_info)
+        ray.get(runlog.write_file.remote("provenance.json", json.dumps(record, indent=2)))
         ray.get(runlog.log_event.remote({"event": "fit_start"}))
-        trainer = build_trainer(cfg, info, runlog, model_fn, loss_fn)
+        trainer = build_trainer(cfg, info, runlog, model_fn, loss_fn, record)
         error, checkpoint_path = None, None
         if progress is not None:
             progress.start(runlog)
@@ -439,6 +459,7 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
         fatal = ray.get(runlog.progress.remote())["fatal"]
         folder = ray.get(runlog.local_folder.remote())
         summary = build_summary(folder, start_time=start, error=fatal or error)
+        summary["provenance"] = record
         ray.get(runlog.write_file.remote("summary.json", json.dumps(summary, indent=2)))
         ray.get(runlog.flush.remote())
         if summary["status"] != "finished":

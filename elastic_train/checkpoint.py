@@ -76,8 +76,10 @@ def snapshot(
     train_state: dict[str, Any],
     config: dict[str, Any],
     world_size: int,
+    provenance: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """An in-memory CPU copy of everything a checkpoint holds (the only part that blocks)."""
+    """An in-memory CPU copy of everything a checkpoint holds (the only part that blocks);
+    `provenance`: what wrote it (versions, git revision, data and tokenizer hashes)."""
     return {
         "model": _to_cpu(model.state_dict()),
         "optimizer": _to_cpu(optimizer.state_dict()),
@@ -91,6 +93,7 @@ def snapshot(
             "world_size": world_size,
             "config": config,
             "model_signature": model_signature(model),
+            "provenance": provenance or {},
         },
     }
 

@@ -343,6 +343,7 @@ class WorkerEnv(Protocol):
     extra_columns: tuple[str, ...]  # the data set's columns beyond id/tokens/length
     block_table: BlockTable  # the data set's blocks (built by the driver from Parquet footers)
     eval_table: BlockTable | None  # the held-out blocks to evaluate on (None: no evaluation)
+    provenance: dict[str, Any]  # what checkpoints record of what wrote them (provenance.py)
 
     def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module: ...
     def latest_checkpoint_dir(self) -> str | None: ...
@@ -512,7 +513,7 @@ def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], at
                   "best_step": state.best_step})
     if improved and best is not None:
         best.submit(snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state),
-                             cfg.to_dict(), env.world_size), state.step, result.loss)
+                             cfg.to_dict(), env.world_size, env.provenance), state.step, result.loss)
 
 
 def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
@@ -637,7 +638,7 @@ def save(env: WorkerEnv, cfg: Config, t: Training, final: bool, sync: bool = Fal
     snap = None
     if env.world_rank == 0:
         snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),
-                        env.world_size)
+                        env.world_size, env.provenance)
     env.save_checkpoint(snap, state.step, final=final or sync)
     blocked_s = time.perf_counter() - t0
     if env.world_rank == 0:

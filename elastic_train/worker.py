@@ -26,6 +26,7 @@ from elastic_train import raycompat
 from elastic_train.blocks import BlockTable
 from elastic_train.checkpoint import BestCheckpointWriter, write_checkpoint
 from elastic_train.config import FaultConfig, config_from_dict
+from elastic_train.provenance import versions
 from elastic_train.rowgroups import DataError
 
 CRASH_COMMIT_WAIT_S = 120.0  # fault hooks: the longest wait for a checkpoint's commit
@@ -43,7 +44,8 @@ class RayWorkerEnv:
     """What `loop.train_loop` sees of Ray Train on one worker."""
 
     def __init__(self, fault: FaultConfig, record_ids: bool, runlog, block_table: BlockTable,
-                 extra_columns: tuple[str, ...] = (), eval_table: BlockTable | None = None) -> None:
+                 extra_columns: tuple[str, ...] = (), eval_table: BlockTable | None = None,
+                 provenance: dict[str, Any] | None = None) -> None:
         ctx = ray.train.get_context()
         # Only what the env itself acts on: the config reaches the loop one way, as its argument.
         self.fault = fault  # test hooks
@@ -51,6 +53,10 @@ class RayWorkerEnv:
         self.runlog = runlog
         self.block_table = block_table  # the data set's blocks; the loop reads its partitions'
         self.eval_table = eval_table  # the held-out blocks (None: no evaluation)
+        # the driver's record (data, tokenizer, git) with this worker's own library versions: a
+        # worker may run another image than the driver
+        driver = dict(provenance or {})
+        self.provenance = {**driver, "versions": versions(), "driver_versions": driver.get("versions")}
         self.extra_columns = extra_columns  # data set columns beyond id/tokens/length, for the loss
         self.world_rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
@@ -288,7 +294,8 @@ def train_worker(config: dict[str, Any]) -> None:
     if not cfg.scaling.use_gpu:
         torch.set_num_threads(cfg.scaling.torch_threads)
     env = RayWorkerEnv(cfg.fault, cfg.data.record_ids, config["runlog"], config["block_table"],
-                       tuple(config["extra_columns"]), config.get("eval_table"))
+                       tuple(config["extra_columns"]), config.get("eval_table"),
+                       config.get("provenance"))
     if ray.get(config["runlog"].progress.remote())["fatal"]:
         return  # an earlier attempt found what stops this run (see below)
     try:

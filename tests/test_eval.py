@@ -285,3 +285,14 @@ def test_an_eval_data_set_of_its_own(ray_cluster, small_dataset, tmp_path):
     targets = sum(length - 1 for length in pq.read_table(held, columns=["length"])["length"].to_pylist())
     assert next(r for r in lines if "eval_loss" in r)["eval_targets"] == targets  # all of it
     assert not (Path(result.run_dir) / BEST_POINTER).exists()
+    # What ran is recorded: in summary.json, provenance.json and every checkpoint's state.json.
+    from elastic_train.provenance import data_hash
+
+    record = result.summary["provenance"]
+    assert record["data_hash"] == data_hash(inspect_dataset(small_dataset))
+    assert record["eval_data_hash"] == data_hash(inspect_dataset(str(held)))
+    assert record["versions"]["torch"] == torch.__version__.split("+")[0] or torch.__version__
+    assert json.loads((Path(result.run_dir) / "provenance.json").read_text()) == record
+    state = json.loads((Path(result.checkpoint_path) / "state.json").read_text())
+    assert state["provenance"]["data_hash"] == record["data_hash"]
+    assert state["provenance"]["versions"]["ray"] == record["versions"]["ray"]
