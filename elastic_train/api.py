@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -429,18 +430,21 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
     fails on the cluster still writes summary.json with status "failed" and the reason, then
     raises TrainingFailed.
     """
+    startup = {"process_start": psutil.Process().create_time(), "train_call": time.time()}
     info = check_inputs(cfg, model_fn)
     for fn in (model_fn, loss_fn):
         ship_by_value(fn)
+    startup["checks_done"] = time.time()
     started_here = init_ray(cfg)
-    start = time.time()
+    start = startup["ray_ready"] = time.time()
     runlog = start_runlog(cfg)
     try:
         save_config(cfg, runlog)
         record = provenance.driver_record(info, data_tables(cfg, info).eval_info)
         ray.get(runlog.write_file.remote("provenance.json", json.dumps(record, indent=2)))
-        ray.get(runlog.log_event.remote({"event": "fit_start"}))
         trainer = build_trainer(cfg, info, runlog, model_fn, loss_fn, record)
+        startup["fit_call"] = time.time()
+        ray.get(runlog.log_event.remote({"event": "fit_start", "driver_startup": startup}))
         error, checkpoint_path = None, None
         if progress is not None:
             progress.start(runlog)

@@ -344,6 +344,7 @@ class WorkerEnv(Protocol):
     block_table: BlockTable  # the data set's blocks (built by the driver from Parquet footers)
     eval_table: BlockTable | None  # the held-out blocks to evaluate on (None: no evaluation)
     provenance: dict[str, Any]  # what checkpoints record of what wrote them (provenance.py)
+    startup: dict[str, float]  # when this attempt's start-up phases ended (time.time())
 
     def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module: ...
     def latest_checkpoint_dir(self) -> str | None: ...
@@ -382,6 +383,7 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     device of the parameters it finds, so it must find them on the GPU already."""
     torch.manual_seed(cfg.train.seed)
     raw_model = build_model(cfg.model, cfg.data.max_seq_len, model_fn)
+    env.startup["model_built"] = time.time()
     exact = cfg.train.grad_reduce == "exact"
     check_fits_device(raw_model, cfg, env.device)
     loss_module = LossModule(raw_model, loss_fn)
@@ -393,6 +395,7 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     if ckpt_dir is not None:
         state = TrainState(**load_checkpoint(ckpt_dir, raw_model, optimizer, scaler))
         check_state_device(optimizer, env.device)
+    env.startup["restored"] = time.time()
     reducer = None
     if exact:
         ExactGradSum.broadcast_parameters(raw_model)
@@ -543,6 +546,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
             while state.step < cfg.train.max_steps:
                 t0 = time.perf_counter()
                 (micro_batches, cursors), wait_s = stream.next()
+                env.startup.setdefault("first_batch", time.time())
                 template = micro_batches[0] if micro_batches else template
                 n_mb, targets, real, padded, rows, requested = all_reduce_sum(
                     [len(micro_batches), sum(mb.targets for mb in micro_batches),
@@ -578,6 +582,9 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                 t.cursors = cursors
                 env.log_consumed(attempt, state, micro_batches)
                 step_time_s = time.perf_counter() - t0
+                if rank == 0 and "first_step" not in env.startup:
+                    env.startup["first_step"] = time.time()
+                    env.log_event({"event": "startup", "attempt": attempt, **env.startup})
                 if rank == 0:
                     env.log_step(_step_record(
                         state, attempt=attempt, world_size=world_size, loss=result.loss, lr=lr,

@@ -50,6 +50,46 @@ def _eval_s_within(evals: list[dict], after: float, until: float) -> float:
     return sum(e["eval_s"] for e in evals if after < e["time"] <= until)
 
 
+WORKER_PHASES = (("worker_init", "train_fn_start"), ("model_build", "model_built"),
+                 ("restore", "restored"), ("first_batch", "first_batch"), ("first_step", "first_step"))
+
+
+def startup_breakdown(events: list[dict], start_time: float) -> dict[str, Any]:
+    """Seconds of each start-up phase of this fit, from the command to the first step:
+    the driver's (imports before `train()`, input checks, Ray start, run set-up) and rank 0's
+    (worker group start: scheduling and process spawn; worker init: imports, Ray Train context,
+    process group; model build; restore: optimizer and checkpoint load; first batch; first step).
+    Later attempts (restarts) get their worker phases in `restarts`. A worker process that Ray
+    started ahead of time counts from when it was asked for."""
+    driver = next((e["driver_startup"] for e in reversed(events)
+                   if e.get("event") == "fit_start" and "driver_startup" in e), None)
+    attempts = [e for e in events if e.get("event") == "startup" and e["time"] >= start_time]
+    if driver is None or not attempts:
+        return {}
+    first = attempts[0]
+    asked = max(first["process_start"], driver["fit_call"])
+    phases = {"driver_imports": driver["train_call"] - driver["process_start"],
+              "input_checks": driver["checks_done"] - driver["train_call"],
+              "ray_start": driver["ray_ready"] - driver["checks_done"],
+              "run_setup": driver["fit_call"] - driver["ray_ready"],
+              "worker_group": asked - driver["fit_call"]}
+    phases.update(_worker_phases(first, asked))
+    phases["total"] = first["first_step"] - driver["process_start"]
+    restarts = [{"attempt": e["attempt"], **_worker_phases(e, e["process_start"]),
+                 "total_from_process": e["first_step"] - e["process_start"]} for e in attempts[1:]]
+    return {**{f"{k}_s": round(v, 3) for k, v in phases.items()},
+            "restarts": [{k: (round(v, 3) if k != "attempt" else v) for k, v in r.items()}
+                         for r in restarts]}
+
+
+def _worker_phases(event: dict, begin: float) -> dict[str, float]:
+    out, previous = {}, begin
+    for name, key in WORKER_PHASES:
+        out[name] = event[key] - previous
+        previous = event[key]
+    return out
+
+
 def effective_records(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """step -> the record of that step's latest attempt."""
     latest: dict[int, dict[str, Any]] = {}
@@ -136,6 +176,7 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
             None),
         "ledger": ledger(records, events, start_time, end_time, evals),
         **eval_figures(evals),
+        "startup": startup_breakdown(events, start_time),
     }
     summary["goodput"] = summary["ledger"]["goodput"]
     summary.update(read_figures(events, sum(r.get("rows", 0) for r in effective.values())))

@@ -14,6 +14,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+import psutil
 import ray
 import ray.train
 import ray.train.torch
@@ -45,7 +46,8 @@ class RayWorkerEnv:
 
     def __init__(self, fault: FaultConfig, record_ids: bool, runlog, block_table: BlockTable,
                  extra_columns: tuple[str, ...] = (), eval_table: BlockTable | None = None,
-                 provenance: dict[str, Any] | None = None) -> None:
+                 provenance: dict[str, Any] | None = None,
+                 startup: dict[str, float] | None = None) -> None:
         ctx = ray.train.get_context()
         # Only what the env itself acts on: the config reaches the loop one way, as its argument.
         self.fault = fault  # test hooks
@@ -53,6 +55,7 @@ class RayWorkerEnv:
         self.runlog = runlog
         self.block_table = block_table  # the data set's blocks; the loop reads its partitions'
         self.eval_table = eval_table  # the held-out blocks (None: no evaluation)
+        self.startup = dict(startup or {})  # the loop adds its phases, rank 0 logs them
         # the driver's record (data, tokenizer, git) with this worker's own library versions: a
         # worker may run another image than the driver
         driver = dict(provenance or {})
@@ -288,6 +291,8 @@ class RayWorkerEnv:
 
 def train_worker(config: dict[str, Any]) -> None:
     """Entry point of every Ray Train worker (`train_loop_per_worker`)."""
+    # Ray started this process, imported its modules and formed the process group before this.
+    startup = {"process_start": psutil.Process().create_time(), "train_fn_start": time.time()}
     from elastic_train.loop import ModelTooLargeError, NonFiniteError, train_loop
 
     cfg = config_from_dict(config["config"])
@@ -295,7 +300,7 @@ def train_worker(config: dict[str, Any]) -> None:
         torch.set_num_threads(cfg.scaling.torch_threads)
     env = RayWorkerEnv(cfg.fault, cfg.data.record_ids, config["runlog"], config["block_table"],
                        tuple(config["extra_columns"]), config.get("eval_table"),
-                       config.get("provenance"))
+                       config.get("provenance"), startup)
     if ray.get(config["runlog"].progress.remote())["fatal"]:
         return  # an earlier attempt found what stops this run (see below)
     try:

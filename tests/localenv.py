@@ -28,6 +28,7 @@ class LocalEnv:
         self.extra_columns = extra_columns
         self.folder = folder  # where best checkpoints go (checkpoint.keep_best)
         self.provenance: dict[str, Any] = {}
+        self.startup: dict[str, float] = {}
         self.last_saved_step = -1
         self.final: dict[str, Any] | None = None
         self.steps: list[dict[str, Any]] = []
