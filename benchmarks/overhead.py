@@ -30,7 +30,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 5
-COMMON = ["checkpoint.every_steps=0", "log.progress=none"]
+COMMON = ["checkpoint.every_steps=0", "log.progress=none", "eval.fraction=0",
+          "checkpoint.keep_best=false"]  # the torchrun baseline trains on every row, evaluates none
 
 
 def steady(times: list[float], tokens: list[int]) -> float:

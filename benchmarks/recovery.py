@@ -31,7 +31,7 @@ def main() -> None:
         cfg = load_config(None, [
             f"run.storage_path={storage}", "run.name=recovery", f"train.max_steps={args.steps}",
             f"checkpoint.every_steps={args.every}", f"fault.crash_at_step={args.crash_at}",
-            "fault.crash_rank=1", "log.progress=none",
+            "fault.crash_rank=1", "log.progress=none", "eval.fraction=0", "checkpoint.keep_best=false",
         ])
         result = train(cfg)
         folder = Path(result.run_dir)

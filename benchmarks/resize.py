@@ -98,7 +98,8 @@ def measure(cluster, args, load_config, train, autoscaler_pb2) -> dict:
     cfg = load_config(None, [
         "model.n_layer=1", "model.d_model=32", "model.n_head=2", "data.max_seq_len=128",
         "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096", "log.progress=none",
-        f"run.storage_path={storage}", "run.name=resize", "scaling.min_workers=1",
+        "eval.fraction=0", "checkpoint.keep_best=false", f"run.storage_path={storage}",
+        "run.name=resize", "scaling.min_workers=1",
         "scaling.max_workers=2", "scaling.max_failures=-1", "scaling.resources_per_worker={slot: 1}",
         "scaling.cpus_per_worker=0.5", f"scaling.worker_group_start_timeout_s={START_TIMEOUT_S}",
         "scaling.resize_monitor_interval_s=2", "scaling.health_check_interval_s=0.1",

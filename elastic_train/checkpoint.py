@@ -1,13 +1,18 @@
 """Checkpoints: everything needed to continue exactly, written so that only complete ones count.
 
-A checkpoint folder holds `model.pt`, `optimizer.pt`, `extra.pt` (grad scaler, RNG states) and
-`state.json` (counters, data position, world size, resolved config, model signature), then
-`manifest.json` last, naming every file and its size. A folder without a valid manifest is
-incomplete and never loaded. Ray Train registers a checkpoint only after every file is uploaded and
-every rank has reported, so a crash mid-write leaves the previous checkpoint as the latest.
+The weights and optimizer state are the same on every rank, so each of W ranks copies and writes
+1/W of them, in parallel (`shard_owners`: whole tensors, balanced by bytes): `model.shardNNN.pt`
+and `optimizer.shardNNN.pt`, then its manifest, `manifest.shardNNN.json`, naming its files and
+sizes. Rank 0 also writes `extra.pt` (grad scaler, RNG states) and `state.json` (counters, data
+position, world size, resolved config, model signature, provenance), and its manifest is
+`manifest.json`, which names the number of shards. A folder is complete when every shard's
+manifest is there with every file it names at its size; an incomplete one is never loaded. Ray
+Train registers a checkpoint only after every rank's files are uploaded and every rank has
+reported, so a crash mid-write leaves the previous checkpoint as the latest. A checkpoint loads at
+any world size (the shards are merged). Format 1 (one `model.pt`, `optimizer.pt`) still loads.
 
-The training loop blocks only for `snapshot` (an in-memory copy on the CPU); `write_checkpoint`
-runs in Ray's background upload thread.
+The training loop blocks only for `snapshot` (an in-memory copy of this rank's share on the CPU);
+`write_checkpoint` runs in Ray's background upload thread.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import pyarrow.fs as pafs
 import torch
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: model and optimizer state in shards, one per rank; 1 (one file) still read
 BEST_POINTER = "best_checkpoint.json"  # names the run's best checkpoint folder (keep_best)
 
 
@@ -69,6 +74,27 @@ def model_signature(model: torch.nn.Module) -> dict[str, list[int]]:
     return {name: list(t.shape) for name, t in model.state_dict().items()}
 
 
+def shard_owners(model: torch.nn.Module, shards: int) -> dict[str, int]:
+    """Which rank writes each tensor of the model's state dict: the largest first, each to the rank
+    with the fewest bytes so far (ties by name), so the ranks' shares differ by at most one tensor.
+    A function of the model alone: every rank computes the same split."""
+    sizes = sorted(((t.numel() * t.element_size(), name) for name, t in model.state_dict().items()),
+                   key=lambda x: (-x[0], x[1]))
+    load, owners = [0] * shards, {}
+    for size, name in sizes:
+        rank = min(range(shards), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += size
+    return owners
+
+
+def _parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """The optimizer's state index of each parameter -> its name in the model's state dict."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {i: by_id.get(id(p), f"#{i}") for i, p in enumerate(params)}
+
+
 def snapshot(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -77,56 +103,120 @@ def snapshot(
     config: dict[str, Any],
     world_size: int,
     provenance: dict[str, Any] | None = None,
+    shard: int = 0,
+    shards: int = 1,
 ) -> dict[str, Any]:
-    """An in-memory CPU copy of everything a checkpoint holds (the only part that blocks);
-    `provenance`: what wrote it (versions, git revision, data and tokenizer hashes)."""
-    return {
-        "model": _to_cpu(model.state_dict()),
-        "optimizer": _to_cpu(optimizer.state_dict()),
-        "extra": {
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": _to_cpu(rng_state()),
-        },
-        "state": {
+    """An in-memory CPU copy of this rank's share of a checkpoint (the only part that blocks).
+
+    The weights and optimizer state are replicated on every rank, so each rank copies and writes
+    1/`shards` of them (`shard_owners`), in parallel; shard 0 also holds the optimizer's param
+    groups, the grad scaler, the RNG states and `state.json` (counters, data position, world
+    size, config, model signature and `provenance`: what wrote it)."""
+    owners = shard_owners(model, shards)
+    names = _parameter_names(model, optimizer)
+    optim = optimizer.state_dict()
+    part = {"state": {i: v for i, v in optim["state"].items() if owners.get(names[i], 0) == shard}}
+    if shard == 0:
+        part["param_groups"] = optim["param_groups"]
+    snap = {
+        "shard": shard,
+        "shards": shards,
+        "model": _to_cpu({k: v for k, v in model.state_dict().items() if owners[k] == shard}),
+        "optimizer": _to_cpu(part),
+    }
+    if shard == 0:
+        snap["extra"] = {"scaler": scaler.state_dict() if scaler is not None else None,
+                         "rng": _to_cpu(rng_state())}
+        snap["state"] = {
             "format_version": FORMAT_VERSION,
             "train_state": dict(train_state),
             "world_size": world_size,
+            "shards": shards,
             "config": config,
             "model_signature": model_signature(model),
             "provenance": provenance or {},
-        },
-    }
+        }
+    return snap
+
+
+def _shard_manifest(shard: int) -> str:
+    return f"manifest.shard{shard:03d}.json"
 
 
 def write_checkpoint(snap: dict[str, Any], directory: str | Path, crash_midway: bool = False) -> None:
-    """Write a snapshot into `directory`; the manifest goes last and makes it complete."""
+    """Write one rank's share of a checkpoint into `directory`, its manifest last: every rank's
+    files go into the same folder (Ray uploads each rank's into the checkpoint's folder). Shard 0
+    writes `manifest.json` (naming the number of shards), the others `manifest.shardNNN.json`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    shard = snap.get("shard", 0)
     files = {}
     for name in ("model", "optimizer", "extra"):
-        path = directory / f"{name}.pt"
+        if name not in snap:
+            continue
+        path = directory / (f"{name}.pt" if name == "extra" else f"{name}.shard{shard:03d}.pt")
         torch.save(snap[name], path)
         files[path.name] = path.stat().st_size
         if crash_midway:  # test hook: the process dies with the checkpoint half written
             os._exit(1)
-    (directory / "state.json").write_text(json.dumps(snap["state"]))
-    files["state.json"] = (directory / "state.json").stat().st_size
-    tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "files": files}))
-    os.replace(tmp, directory / MANIFEST)
+    if "state" in snap:
+        (directory / "state.json").write_text(json.dumps(snap["state"]))
+        files["state.json"] = (directory / "state.json").stat().st_size
+    manifest = {"format_version": FORMAT_VERSION, "files": files}
+    name = _shard_manifest(shard)
+    if shard == 0:
+        manifest["shards"], name = snap.get("shards", 1), MANIFEST
+    tmp = directory / (name + ".tmp")
+    tmp.write_text(json.dumps(manifest))
+    os.replace(tmp, directory / name)
+
+
+def _check_files(directory: Path, manifest_name: str) -> dict[str, Any]:
+    path = directory / manifest_name
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {directory} is incomplete: no {manifest_name}")
+    try:
+        manifest = json.loads(path.read_text())
+        files = dict(manifest["files"])
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"checkpoint {directory}: {manifest_name} is corrupt") from None
+    for name, size in files.items():
+        file = directory / name
+        if not file.is_file() or file.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {directory} is incomplete: {name} missing or truncated")
+    return manifest
 
 
 def verify_checkpoint(directory: str | Path) -> None:
-    """Raise CheckpointError unless every file of the manifest is there with its size."""
+    """Raise CheckpointError unless every shard's manifest is there, with every file it names at
+    its size (a checkpoint of format 1 has one manifest)."""
     directory = Path(directory)
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {directory} is incomplete: no {MANIFEST}")
-    manifest = json.loads(manifest_path.read_text())
-    for name, size in manifest["files"].items():
-        path = directory / name
-        if not path.is_file() or path.stat().st_size != size:
-            raise CheckpointError(f"checkpoint {directory} is incomplete: {name} missing or truncated")
+    manifest = _check_files(directory, MANIFEST)
+    for shard in range(1, manifest.get("shards", 1)):
+        _check_files(directory, _shard_manifest(shard))
+
+
+def is_complete(directory: str | Path) -> bool:
+    try:
+        verify_checkpoint(directory)
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+def read_shards(directory: str | Path, name: str) -> dict[str, Any]:
+    """The whole state dict of `name` ("model" or "optimizer"), merged from every shard of a
+    complete checkpoint, on the CPU."""
+    directory = Path(directory)
+    load = dict(map_location="cpu", weights_only=True)
+    shards = json.loads((directory / MANIFEST).read_text()).get("shards")
+    if shards is None:  # format 1: one file
+        return torch.load(directory / f"{name}.pt", **load)
+    parts = [torch.load(directory / f"{name}.shard{r:03d}.pt", **load) for r in range(shards)]
+    if name == "model":
+        return {k: v for part in parts for k, v in part.items()}
+    return {"state": {i: v for part in parts for i, v in part["state"].items()},
+            "param_groups": parts[0]["param_groups"]}
 
 
 def read_state(directory: str | Path) -> dict[str, Any]:
@@ -165,10 +255,9 @@ def load_checkpoint(
     directory = Path(directory)
     state = read_state(directory)
     check_compatible(directory, state, model)
-    load = dict(map_location="cpu", weights_only=True)
-    model.load_state_dict(torch.load(directory / "model.pt", **load))
-    optimizer.load_state_dict(torch.load(directory / "optimizer.pt", **load))
-    extra = torch.load(directory / "extra.pt", **load)
+    model.load_state_dict(read_shards(directory, "model"))
+    optimizer.load_state_dict(read_shards(directory, "optimizer"))
+    extra = torch.load(directory / "extra.pt", map_location="cpu", weights_only=True)
     if scaler is not None and extra["scaler"] is not None:
         scaler.load_state_dict(extra["scaler"])
     if restore_rng:

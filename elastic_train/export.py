@@ -27,9 +27,10 @@ import yaml
 from torch import nn
 
 from elastic_train.checkpoint import (
-    MANIFEST,
     CheckpointError,
+    is_complete,
     read_best_pointer,
+    read_shards,
     read_state,
     signature_mismatch,
 )
@@ -51,8 +52,7 @@ class TrainedModel:
 
 def latest_checkpoint(run_folder: Path) -> Path:
     """The newest complete checkpoint of a run (ValueError if it has none)."""
-    names = sorted((p for p in run_folder.glob("checkpoint_*") if (p / MANIFEST).is_file()),
-                   reverse=True)
+    names = sorted((p for p in run_folder.glob("checkpoint_*") if is_complete(p)), reverse=True)
     if not names:
         raise ValueError(f"run folder '{run_folder}' holds no complete checkpoint")
     return names[0]
@@ -64,7 +64,7 @@ def default_checkpoint(run_folder: Path) -> Path:
     pointer = read_best_pointer(pafs.LocalFileSystem(), str(run_folder.resolve()))
     if pointer is not None:
         best = run_folder / pointer["checkpoint"]
-        if (best / MANIFEST).is_file():
+        if is_complete(best):
             return best
     return latest_checkpoint(run_folder)
 
@@ -103,7 +103,7 @@ def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
     if mismatch:
         hint = "" if model_fn else " (a run of an inline model: pass its model_fn to export)"
         raise ValueError(f"checkpoint '{ckpt}' {mismatch}{hint}")
-    model.load_state_dict(torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True))
+    model.load_state_dict(read_shards(ckpt, "model"))
     return TrainedModel(model.eval(), cfg, ckpt, run_tokenizer(cfg))
 
 

@@ -348,7 +348,7 @@ class WorkerEnv(Protocol):
 
     def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module: ...
     def latest_checkpoint_dir(self) -> str | None: ...
-    def save_checkpoint(self, snap: dict | None, step: int, final: bool) -> None: ...
+    def save_checkpoint(self, snap: dict, step: int, final: bool) -> None: ...
     def checkpoint_requested(self) -> bool: ...
     def checkpoint_committed(self, step: int) -> None: ...
     def begin_attempt(self) -> int: ...
@@ -632,7 +632,7 @@ def _cuda_memory(device: torch.device) -> dict[str, int]:
 
 
 def save(env: WorkerEnv, cfg: Config, t: Training, final: bool, sync: bool = False) -> float:
-    """Snapshot on rank 0 (the blocking part) and hand it to Ray to write in the background."""
+    """Snapshot this rank's share (the blocking part) and hand it to Ray to write in the background."""
     state = t.state
     if state.step == env.last_saved_step:  # e.g. the final save right after a periodic one
         return 0.0
@@ -642,10 +642,9 @@ def save(env: WorkerEnv, cfg: Config, t: Training, final: bool, sync: bool = Fal
         for part in gather_from_all(t.cursors):
             merged.update(part)
         state.cursors = {str(p): list(c) for p, c in sorted(merged.items())}
-    snap = None
-    if env.world_rank == 0:
-        snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),
-                        env.world_size, env.provenance)
+    # Every rank copies and writes its share of the replicated state, in parallel (checkpoint.py).
+    snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),
+                    env.world_size, env.provenance, shard=env.world_rank, shards=env.world_size)
     env.save_checkpoint(snap, state.step, final=final or sync)
     blocked_s = time.perf_counter() - t0
     if env.world_rank == 0:

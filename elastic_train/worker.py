@@ -8,6 +8,7 @@ actor), and the fault-injection hooks that tests use.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from collections import deque
@@ -83,8 +84,14 @@ class RayWorkerEnv:
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
             return None
-        # A local path when storage is local; otherwise downloaded into a temporary folder.
+        # Downloaded into a temporary folder named by the checkpoint: the local ranks of a node
+        # share one download (Ray's file lock), so a node reads the checkpoint once.
+        t0 = time.monotonic()
         local = checkpoint.to_directory()
+        self.log_event({"event": "restore", "rank": self.world_rank,
+                        "node": ray.get_runtime_context().get_node_id(),
+                        "checkpoint": os.path.basename(checkpoint.path.rstrip("/")),
+                        "local_dir": local, "seconds": round(time.monotonic() - t0, 3)})
         state_path = os.path.join(local, "state.json")
         if os.path.exists(state_path):
             import json
@@ -93,27 +100,28 @@ class RayWorkerEnv:
                 self.last_saved_step = json.load(f)["train_state"]["step"]
         return local
 
-    def save_checkpoint(self, snap: dict | None, step: int, final: bool) -> None:
-        """Every rank reports (a barrier); rank 0 carries the snapshot, written in the background."""
+    def save_checkpoint(self, snap: dict, step: int, final: bool) -> None:
+        """Every rank reports (a barrier) with its share of the checkpoint, written in the
+        background into the same checkpoint folder."""
         if step == self.last_saved_step:
             return
         previous, self.last_saved_step = self.last_saved_step, step
         crash = (
             self.fault.crash_in_checkpoint
             and self.fault.crash_at_step == step
-            and snap is not None
+            and self.world_rank == 0
             and ray.get(self.runlog.claim_fault.remote(f"crash_in_checkpoint@{step}"))
         )
-        checkpoint, upload_fn = None, None
-        if snap is not None:
-            checkpoint = Checkpoint.from_directory(tempfile.mkdtemp(prefix="elastic-train-ckpt-"))
+        checkpoint = Checkpoint.from_directory(tempfile.mkdtemp(prefix="elastic-train-ckpt-"))
 
-            def upload_fn(ckpt: Checkpoint, dir_name: str) -> Checkpoint:
-                if crash:  # the test hook dies mid-write once the checkpoint before is committed
-                    self._wait_for_commit_then_log(previous, step, in_checkpoint=True)
-                write_checkpoint(snap, ckpt.path, crash_midway=crash)
-                storage = ray.train.get_context().get_storage()
-                return storage.persist_current_checkpoint(ckpt, dir_name)
+        def upload_fn(ckpt: Checkpoint, dir_name: str) -> Checkpoint:
+            if crash:  # the test hook dies mid-write once the checkpoint before is committed
+                self._wait_for_commit_then_log(previous, step, in_checkpoint=True)
+            write_checkpoint(snap, ckpt.path, crash_midway=crash)
+            storage = ray.train.get_context().get_storage()
+            persisted = storage.persist_current_checkpoint(ckpt, dir_name)
+            shutil.rmtree(ckpt.path, ignore_errors=True)  # the local copy, once uploaded
+            return persisted
 
         ray.train.report(
             {"step": step},

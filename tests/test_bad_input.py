@@ -24,14 +24,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import TINY
 
 from elastic_train.cli import main
 
-TINY = [
-    "model.n_layer=1", "model.d_model=32", "model.n_head=2",
-    "data.max_seq_len=128", "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096",
-    "log.progress=none", "scaling.health_check_interval_s=0.1",
-]
 BIN = Path(sys.executable).parent
 
 

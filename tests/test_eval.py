@@ -185,7 +185,7 @@ def test_the_best_checkpoint_replaces_the_one_before_and_a_half_written_one_is_n
     assert default_checkpoint(tmp_path).name == "best_checkpoint_000000008"
     (tmp_path / "best_checkpoint_000000008" / "manifest.json").unlink()
     (tmp_path / "checkpoint_000000010").mkdir()
-    (tmp_path / "checkpoint_000000010" / "manifest.json").write_text("{}")
+    (tmp_path / "checkpoint_000000010" / "manifest.json").write_text('{"files": {}}')
     assert default_checkpoint(tmp_path).name == "checkpoint_000000010"
 
 

@@ -21,6 +21,7 @@ from localenv import train_locally
 
 from elastic_train import load_config
 from elastic_train.api import train
+from elastic_train.checkpoint import read_shards
 from elastic_train.config import config_from_dict
 from elastic_train.export import load_trained
 from elastic_train.losses import causal_lm_loss, make_batch
@@ -69,7 +70,7 @@ def run_config(run_dir: Path):
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     names = sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir())
-    return torch.load(names[-1] / "model.pt", weights_only=True)
+    return read_shards(names[-1], "model")
 
 
 def assert_equal_weights(got: dict, want: dict) -> None:

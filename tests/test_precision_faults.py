@@ -17,15 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY
 
 from elastic_train import load_config
 from elastic_train.api import TrainingFailed, train
+from elastic_train.checkpoint import is_complete, read_shards
 
 pytestmark = pytest.mark.ray
 
-TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "data.max_seq_len=128",
-        "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096", "log.progress=none",
-        "scaling.health_check_interval_s=0.1"]
 
 
 def run(tmp_path, data, name, *extra):
@@ -53,7 +52,7 @@ def test_nan_on_one_rank_is_skipped_by_every_rank(ray_cluster, small_dataset, tm
     assert all(math.isfinite(r["loss"]) for r in records)
     assert [r["skipped_steps"] for r in records] == [0] * 4 + [1] * 6
     # Had rank 1 stepped on its NaN, the next all-reduce would have spread it to every rank.
-    model = torch.load(Path(result.checkpoint_path) / "model.pt")
+    model = read_shards(result.checkpoint_path, "model")
     assert all(torch.isfinite(t).all() for t in model.values())
     events = read_jsonl(Path(result.run_dir) / "events.jsonl")
     assert not [e for e in events if e["event"] in ("rollback", "fatal")]
@@ -81,10 +80,10 @@ def test_nan_again_after_the_rollback_fails_naming_the_step(ray_cluster, small_d
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert max(r["step"] for r in records) == 4 and not any(r["skipped"] for r in records)
     # What was saved before the failure is kept, and nothing was saved after step 4.
-    complete = sorted(p for p in run_dir.glob("checkpoint_*") if (p / "manifest.json").is_file())
+    complete = sorted(p for p in run_dir.glob("checkpoint_*") if is_complete(p))
     assert complete and complete[0].name >= "checkpoint_000000002"
     assert complete[-1].name <= "checkpoint_000000004"
-    model = torch.load(complete[-1] / "model.pt")
+    model = read_shards(complete[-1], "model")
     assert all(torch.isfinite(t).all() for t in model.values())
 
 
@@ -111,7 +110,7 @@ def test_bf16_with_adamw8bit_trains_and_resumes_exactly(ray_cluster, small_datas
     # same state, same batches, same bf16 ops and same 2-rank reduction, so the same loss.
     for step in replayed:
         assert again[step] == pytest.approx(first[step], rel=1e-6, abs=0), step
-    optimizer = torch.load(Path(result.checkpoint_path) / "optimizer.pt")
+    optimizer = read_shards(result.checkpoint_path, "optimizer")
     dtypes = {v.dtype for st in optimizer["state"].values()
               for v in st["__bnb_optimizer_quant_state__"].values() if torch.is_tensor(v)}
     assert torch.uint8 in dtypes

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic_train.checkpoint import load_checkpoint, snapshot, write_checkpoint
+from elastic_train.checkpoint import load_checkpoint, read_shards, snapshot, write_checkpoint
 from elastic_train.config import ModelConfig, OptimConfig
 from elastic_train.data import MicroBatch, pad_rows
 from elastic_train.loop import StepSetup, TrainState, autocast_context, train_step
@@ -162,7 +162,7 @@ def test_adamw8bit_checkpoint_resumes_the_next_step_bitwise(tmp_path, precision)
     snap = snapshot(model, optimizer, None, asdict(state), {"note": "test"}, world_size=1)
     write_checkpoint(snap, tmp_path / "ckpt")
     # The 8-bit state is what was saved: uint8 moments with their block-wise absmax.
-    saved = torch.load(tmp_path / "ckpt" / "optimizer.pt", weights_only=True)["state"]
+    saved = read_shards(tmp_path / "ckpt", "optimizer")["state"]
     eight_bit = [s for s in saved.values()
                  if s["__bnb_optimizer_quant_state__"]["state1"].dtype == torch.uint8]
     assert len(eight_bit) == sum(p.numel() >= 4096 for p in model.parameters()) > 0

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY
 from test_report import LEDGER_PARTS, check_png
 
 from elastic_train import load_config
 from elastic_train.api import TrainingFailed, train
+from elastic_train.checkpoint import read_shards
 from elastic_train.config import ConfigError
 from elastic_train.raycompat import committed_checkpoint_step
 from elastic_train.report import make_report
@@ -19,9 +21,6 @@ from elastic_train.report import make_report
 pytestmark = pytest.mark.ray
 
 
-TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "data.max_seq_len=128",
-        "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096", "log.progress=none",
-        "scaling.health_check_interval_s=0.1"]
 
 
 def run(tmp_path, data, name, *extra, storage=None):
@@ -35,10 +34,13 @@ def metrics(result) -> list[dict]:
     return [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def read_events(result) -> list[dict]:
+    return [json.loads(line) for line in (Path(result.run_dir) / "events.jsonl").read_text().splitlines()]
+
+
 def crash_event(result) -> dict:
     """The fault hook's `crash_injected` event: the step it killed and the step then committed."""
-    events = [json.loads(line) for line in (Path(result.run_dir) / "events.jsonl").read_text().splitlines()]
-    crashes = [e for e in events if e["event"] == "crash_injected"]
+    crashes = [e for e in read_events(result) if e["event"] == "crash_injected"]
     assert len(crashes) == 1, crashes
     assert not crashes[0].get("commit_wait_timed_out"), crashes[0]
     return crashes[0]
@@ -77,8 +79,8 @@ def assert_same_training(result, reference) -> None:
     assert ref.keys() == got.keys()
     rel = {s: abs(got[s] - ref[s]) / ref[s] for s in ref}
     assert max(rel.values()) < 1e-12, rel
-    final_ref = torch.load(Path(reference.checkpoint_path) / "model.pt")
-    final = torch.load(Path(result.checkpoint_path) / "model.pt")
+    final_ref = read_shards(reference.checkpoint_path, "model")
+    final = read_shards(result.checkpoint_path, "model")
     assert final_ref.keys() == final.keys()
     for name, t in final_ref.items():
         assert torch.equal(final[name], t), (name, float((final[name] - t).abs().max()))
@@ -143,6 +145,14 @@ def test_hard_crash_resumes_exactly_once_with_the_same_loss(reference, small_dat
     assert (crash["step"], crash["rank"], crash["saved_step"]) == (10, 1, 8), crash
     assert crash["committed_step"] == 8, crash
     assert first_of_attempt1 == crash["committed_step"] + 1
+    # Both ranks wrote their shares into the checkpoint, and the restart's two ranks (one node)
+    # read it from one local copy: a node downloads a checkpoint once.
+    manifests = sorted(p.name for p in Path(crashed.checkpoint_path).glob("manifest*.json"))
+    assert manifests == ["manifest.json", "manifest.shard001.json"]
+    restores = [e for e in read_events(crashed) if e["event"] == "restore"]
+    assert sorted(e["rank"] for e in restores) == [0, 1]
+    assert len({e["local_dir"] for e in restores}) == 1
+    assert restores[0]["checkpoint"] == f"checkpoint_{crash['committed_step']:09d}"
     assert_same_training(crashed, reference)
     # The run's time ledger and `elastic-train report` on a real restarted run.
     assert s["replayed_steps"] == 10 - (first_of_attempt1 - 1)
