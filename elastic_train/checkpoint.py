@@ -40,7 +40,13 @@ class CheckpointError(RuntimeError):
 
 
 def _to_cpu(obj: Any) -> Any:
+    """A CPU copy of a nest of tensors. A GPU tensor goes to pinned (page-locked) host memory with
+    an asynchronous copy: the copies of a whole snapshot overlap and run at full PCIe speed;
+    `snapshot` waits for them before the snapshot is handed to the writer."""
     if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            host = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=True)
+            return host.copy_(obj.detach(), non_blocking=True)
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
@@ -124,6 +130,8 @@ def snapshot(
         "model": _to_cpu({k: v for k, v in model.state_dict().items() if owners[k] == shard}),
         "optimizer": _to_cpu(part),
     }
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the asynchronous copies to pinned memory have landed
     if shard == 0:
         snap["extra"] = {"scaler": scaler.state_dict() if scaler is not None else None,
                          "rng": _to_cpu(rng_state())}
