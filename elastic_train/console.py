@@ -1,7 +1,7 @@
 """The driver's console: our progress, warnings and errors on the screen; Ray's INFO chatter in
 the run folder's `ray.log` (all of it on the screen too with `verbose`).
 
-Ray's output reaches a driver three ways, and each is quieted where it is made:
+Ray's output reaches a driver three ways:
 
 - Ray Train's controller and workers log through `ray.train` loggers whose console handler prints
   the bare message, without its level, to their stderr, which Ray forwards to the driver
@@ -32,7 +32,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-RAY_VERSION_READ = "2.60"
 RAY_LOG = "ray.log"  # in the run folder
 DRIVER_RAY_LOGGERS = ("ray", "ray.data")  # the driver's Ray loggers with console handlers of their own
 _RAY_PRINT_HANDLER = "ray_print_logs"  # the name ray.init gives its forwarded-line printer
@@ -63,7 +62,7 @@ def is_ray_chatter(line: str) -> bool:
 
 def ray_train_logging(verbose: bool):
     """Ray Train's LoggingConfig for RunConfig: INFO with `verbose`, else WARNING."""
-    from ray.train.v2.api.config import LoggingConfig
+    from ray.train import LoggingConfig
 
     return LoggingConfig(log_level="INFO" if verbose else "WARNING")
 
@@ -83,7 +82,7 @@ class RayLog(logging.Handler):
     def open(self, path: str | Path) -> None:
         """Append to `path` from now on, starting with what was held."""
         with self.lock:
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+            self._file = open(path, "a", encoding="utf-8")  # closed by close()
             self._write_now(self._pending)
             self._pending = []
 
