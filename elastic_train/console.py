@@ -14,8 +14,9 @@ Ray's output reaches a driver three ways:
 - The driver's own Ray loggers (`ray`, `ray.data`), e.g. "Started a local Ray instance": their
   console handlers are raised to WARNING; `RayLog` writes their INFO and up to ray.log.
 - Every line forwarded from Ray's processes goes to ray.log; on the screen go those that are not
-  Ray chatter (`is_ray_chatter`): lines in Ray's log formats below WARNING (Ray Data, Ray Core),
-  and one ERROR that is Ray's own and harmless (below).
+  Ray chatter (`is_ray_chatter`): lines in Ray's log formats below WARNING (Ray Core, Ray's
+  Python loggers), the few INFO lines that escape or lose their level (Ray Train's per-report
+  line, Ray Data's per-dataset lines in workers), and one ERROR that is Ray's own and harmless.
 
 The forwarded lines are taken from Ray's private dispatcher: the one reach into Ray's internals
 here, read from Ray 2.60 (`ray/_private/ray_logging/__init__.py`, `ray/_private/worker.py`). If a
@@ -43,6 +44,10 @@ _RAY_CC_BELOW_WARNING = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+ [DI] \d+ \d+\] 
 # Ray Train logs this INFO through `logging.getLogger(__file__)` (execution/context.py): a logger
 # named by a file path, outside `ray.train`, so its LoggingConfig does not reach it.
 _REPORT_INFO = "Reporting training result "
+# Ray Data's INFO lines on a dataset's start and end (Ray 2.60 streaming_executor.py), printed bare in
+# a worker process (data.reader=ray_data): its console handler drops the level there.
+_RAY_DATA_INFO = re.compile(r"^Starting execution of Dataset \S+\.|^Execution plan of Dataset \S+: "
+                            r"|Dataset \S+ execution finished in [\d.]+ seconds$")
 # Ray Train's PreemptionCallback passes the workers' actor handles to its PreemptionWatcher actor
 # (max_restarts=-1), so Ray Core logs at ERROR, on every worker-group start, that the actor's
 # constructor arguments live in the object store (ray-project/ray#53727). It is Ray's call, not
@@ -53,10 +58,10 @@ _PREEMPTION_WATCHER_ARGS = ("'PreemptionWatcher'", "constructor arguments in the
 
 def is_ray_chatter(line: str) -> bool:
     """A forwarded line that belongs in ray.log only: Ray's INFO (or DEBUG) log lines, in its
-    Python or C++ format, Ray Train's per-report INFO line, and the harmless PreemptionWatcher
-    error."""
+    Python or C++ format, the INFO lines of Ray Train and Ray Data that reach the driver without
+    their level, and the harmless PreemptionWatcher error."""
     return bool(_RAY_PY_BELOW_WARNING.search(line) or _RAY_CC_BELOW_WARNING.match(line)
-                or line.startswith(_REPORT_INFO)
+                or line.startswith(_REPORT_INFO) or _RAY_DATA_INFO.search(line)
                 or all(part in line for part in _PREEMPTION_WATCHER_ARGS))
 
 

@@ -59,6 +59,9 @@ def ray_info_lines(text: str) -> list[str]:
     ("[2026-11-30 22:09:47,462 E 14213 14245] core_worker.cc:2465: Actor with class name: "
      "'PreemptionWatcher' and ID: '455b' has constructor arguments in the object store and "
      "max_restarts > 0.", True),
+    ("Starting execution of Dataset dataset_0356o2X_0. Full logs are in /tmp/ray/session/logs", True),
+    ("Execution plan of Dataset dataset_0356o2X_0: InputDataBuffer[Input] -> MapBatches(read)", True),
+    ("✔️  Dataset dataset_0356o2X_0 execution finished in 43.29 seconds", True),
     ("2026-11-30 22:09:22,693\tWARNING authentication_token_setup.py:85 -- Token authentication", False),
     ("[2026-11-30 22:09:47,462 E 14213 14245] core_worker.cc:2465: Actor with class name: 'Other' "
      "and ID: '455b' has constructor arguments in the object store and max_restarts > 0.", False),
