@@ -40,6 +40,7 @@ from elastic_train.checks import (
     identity_change,
 )
 from elastic_train.config import Config, ConfigError, check_run_name, num_partitions, validate
+from elastic_train.console import RAY_LOG, ray_console, ray_train_logging, route_forwarded_lines
 from elastic_train.losses import LossFn
 from elastic_train.model import BYTE_VOCAB, ModelFn, build_model, input_embedding_rows
 from elastic_train.nodewatch import NodeWatcher
@@ -356,7 +357,8 @@ def driver_pythonpath() -> str:
 
 
 def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | None = None,
-                  loss_fn: LossFn | None = None, record: dict | None = None) -> TorchTrainer:
+                  loss_fn: LossFn | None = None, record: dict | None = None,
+                  verbose: bool = False) -> TorchTrainer:
     s = cfg.scaling
     tables = data_tables(cfg, info)
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
@@ -382,6 +384,7 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
             name=cfg.run.name, storage_path=storage,
             failure_config=FailureConfig(max_failures=s.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            logging_config=ray_train_logging(verbose),
         ),
     )
 
@@ -420,7 +423,7 @@ def save_config(cfg: Config, runlog) -> None:
 
 
 def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None = None,
-          progress=None) -> TrainResult:
+          progress=None, verbose: bool = False) -> TrainResult:
     """Train (or resume) the run described by `cfg`; returns its summary and last checkpoint.
 
     `model_fn(vocab_size=, max_seq_len=, **model.kwargs) -> nn.Module` replaces `model.name`, and
@@ -428,21 +431,37 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
     (see `losses.py`); both are shipped to the workers by Ray (cloudpickle), so a driver script
     may define them inline. Inputs are checked before any worker starts (ConfigError). A run that
     fails on the cluster still writes summary.json with status "failed" and the reason, then
-    raises TrainingFailed.
+    raises TrainingFailed. Ray's INFO logging goes to the run folder's ray.log, not the screen,
+    unless `verbose` (see console.py).
     """
     startup = {"process_start": psutil.Process().create_time(), "train_call": time.time()}
     info = check_inputs(cfg, model_fn)
     for fn in (model_fn, loss_fn):
         ship_by_value(fn)
     startup["checks_done"] = time.time()
-    started_here = init_ray(cfg)
+    with ray_console(verbose) as ray_log:
+        started_here = init_ray(cfg)
+        unroute = route_forwarded_lines(ray_log, verbose)
+        try:
+            return _run(cfg, info, model_fn, loss_fn, progress, verbose, ray_log, startup)
+        finally:
+            if started_here:
+                ray.shutdown()  # first: it stops the thread that forwards lines
+            unroute()
+
+
+def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: LossFn | None,
+         progress, verbose: bool, ray_log, startup: dict[str, float]) -> TrainResult:
+    """`train` on a running Ray: the RunLog actor, the trainer, fit, summary.json."""
     start = startup["ray_ready"] = time.time()
     runlog = start_runlog(cfg)
     try:
+        folder = ray.get(runlog.local_folder.remote())  # a remote run's staging copy, uploaded by flush
+        ray_log.open(os.path.join(folder, RAY_LOG))
         save_config(cfg, runlog)
         record = provenance.driver_record(info, data_tables(cfg, info).eval_info)
         ray.get(runlog.write_file.remote("provenance.json", json.dumps(record, indent=2)))
-        trainer = build_trainer(cfg, info, runlog, model_fn, loss_fn, record)
+        trainer = build_trainer(cfg, info, runlog, model_fn, loss_fn, record, verbose)
         startup["fit_call"] = time.time()
         ray.get(runlog.log_event.remote({"event": "fit_start", "driver_startup": startup}))
         error, checkpoint_path = None, None
@@ -461,7 +480,6 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
             if watcher is not None:
                 watcher.stop()
         fatal = ray.get(runlog.progress.remote())["fatal"]
-        folder = ray.get(runlog.local_folder.remote())
         summary = build_summary(folder, start_time=start, error=fatal or error)
         summary["provenance"] = record
         ray.get(runlog.write_file.remote("summary.json", json.dumps(summary, indent=2)))
@@ -471,8 +489,6 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
         return TrainResult(summary, run_uri(cfg), checkpoint_path)
     finally:
         ray.kill(runlog)
-        if started_here:
-            ray.shutdown()
 
 
 class TrainingFailed(RuntimeError):

@@ -118,7 +118,8 @@ class RayDataBlockReader(BlockReader):
         context.execution_options.preserve_order = True
         context.enable_progress_bars = False
         ds = ray.data.from_items([{"block": b} for b in order], override_num_blocks=len(order)).map_batches(
-            read, batch_size=1, batch_format="numpy", num_cpus=0.25, concurrency=2)
+            read, batch_size=1, batch_format="numpy", num_cpus=0.25,
+            compute=ray.data.TaskPoolStrategy(size=2))  # (`concurrency=2` is deprecated since Ray 2.51)
         self._stream = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow",
                                             prefetch_batches=self.prefetch_blocks))
         self._early = {}

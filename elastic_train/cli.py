@@ -1,6 +1,6 @@
 """The `elastic-train` command line: train, prepare, export, sample, report.
 
-    elastic-train train [--config FILE.yaml] [dotted.key=value ...]
+    elastic-train train [--config FILE.yaml] [--verbose] [dotted.key=value ...]
     elastic-train prepare INPUT... --output DIR [--max-seq-len N] [--engine auto|ray|local]
     elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME]
     elastic-train sample RUN_FOLDER --prompt TEXT [--max-new-tokens N]
@@ -25,7 +25,7 @@ def _train(args: argparse.Namespace) -> int:
     from elastic_train.progress import Progress
 
     progress = Progress(cfg.train.max_steps, cfg.log.progress, cfg.log.print_every_steps)
-    result = train(cfg, progress=progress)
+    result = train(cfg, progress=progress, verbose=args.verbose)
     s = result.summary
     print(f"finished: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
           f"padding efficiency {s['padding_efficiency']:.3f}, {s['tokens_per_s']:.0f} tokens/s, "
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train (or resume) a run")
     p.add_argument("--config", default=None, help="YAML config (default: the embedded one)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray's INFO logging on the console too (it always goes to the run "
+                        "folder's ray.log)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.set_defaults(func=_train)
     p = sub.add_parser("prepare", help="text, JSONL or Parquet files, or folders -> Parquet shards")

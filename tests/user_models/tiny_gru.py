@@ -30,3 +30,14 @@ def broken(vocab_size: int, max_seq_len: int) -> nn.Module:
 
 def not_a_module(vocab_size: int, max_seq_len: int):
     return {"vocab_size": vocab_size}
+
+
+class FailsInForward(TinyGRU):
+    """Builds fine (the driver's checks pass) and raises on the workers' first step."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise ValueError("this model fails in forward on purpose")
+
+
+def fails_in_forward(vocab_size: int, max_seq_len: int) -> nn.Module:
+    return FailsInForward(vocab_size, 8)

@@ -1,0 +1,181 @@
+"""The driver's console: our progress, warnings and errors; Ray's INFO logging in the run folder's
+ray.log, not on the screen (unless --verbose).
+
+The `ray` tests run the installed `elastic-train` console script in a subprocess (it starts its own
+local Ray cluster, as a user's run does) and read what it printed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_train.cli import build_parser
+from elastic_train.console import (
+    RAY_LOG,
+    RayLog,
+    is_ray_chatter,
+    ray_console,
+    ray_train_logging,
+    route_forwarded_lines,
+)
+
+BIN = Path(sys.executable).parent
+USER_MODELS = Path(__file__).parent / "user_models"
+
+# What identifies a line of Ray's INFO logging on a console: Ray's Python log format at INFO
+# ("2026-11-30 22:09:30,474\tINFO worker.py:2029 -- ..."), Ray Core's C++ format at INFO
+# ("[2026-11-30 22:09:47,462 I 14213 14245] ..."), or one of the INFO messages that Ray Train's
+# controller and workers print bare (their console handler drops the level), as Ray 2.60 words them.
+RAY_PY_INFO = re.compile(r"\bINFO [\w.-]+\.py:\d+ -- ")
+RAY_CC_INFO = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,.]+ I \d+ \d+\] ")
+RAY_TRAIN_INFO = ("Reporting training result", "Checkpoint successfully created at",
+                  "Requesting resources:", "Attempting to start training worker group",
+                  "Started training worker group", "Setting up process group for",
+                  "Moving model to device", "[FailurePolicy]")
+
+
+def ray_info_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines()
+            if RAY_PY_INFO.search(line) or RAY_CC_INFO.search(line)
+            or any(message in line for message in RAY_TRAIN_INFO)]
+
+
+# ---- pure: which forwarded lines are chatter, the log file, the restored logging (unit) ----
+
+@pytest.mark.unit
+@pytest.mark.parametrize("line, chatter", [
+    ("2026-11-30 22:09:30,474\tINFO worker.py:2029 -- Started a local Ray instance.", True),
+    ("2025-10-15 10:08:45,993 INFO streaming_executor.py:159 -- Starting execution of Dataset", True),
+    ("[2026-11-30 22:09:47,462 I 14213 14245] core_worker.cc:100: Connected", True),
+    ("Reporting training result 1: TrainingReport(checkpoint=None, metrics={'step': 12}) from rank 1",
+     True),
+    ("[2026-11-30 22:09:47,462 E 14213 14245] core_worker.cc:2465: Actor with class name: "
+     "'PreemptionWatcher' and ID: '455b' has constructor arguments in the object store and "
+     "max_restarts > 0.", True),
+    ("Starting execution of Dataset dataset_0356o2X_0. Full logs are in /tmp/ray/session/logs", True),
+    ("Execution plan of Dataset dataset_0356o2X_0: InputDataBuffer[Input] -> MapBatches(read)", True),
+    ("✔️  Dataset dataset_0356o2X_0 execution finished in 43.29 seconds", True),
+    ("2026-11-30 22:09:22,693\tWARNING authentication_token_setup.py:85 -- Token authentication", False),
+    ("[2026-11-30 22:09:47,462 E 14213 14245] core_worker.cc:2465: Actor with class name: 'Other' "
+     "and ID: '455b' has constructor arguments in the object store and max_restarts > 0.", False),
+    ("Error in training function:", False),
+    ("ValueError: this model fails in forward on purpose", False),
+    ("step 10/12 epoch 0 loss 3.8463", False),
+])
+def test_ray_chatter_is_told_from_what_the_user_needs(line, chatter):
+    assert is_ray_chatter(line) is chatter
+
+
+@pytest.mark.unit
+def test_ray_log_holds_lines_until_opened_then_appends(tmp_path):
+    path = tmp_path / RAY_LOG
+    path.write_text("an earlier run\n")
+    log = RayLog()
+    log.write(["before the run folder is known"])
+    log.open(path)
+    log.write(["after"])
+    log.close()
+    assert path.read_text().splitlines() == ["an earlier run", "before the run folder is known",
+                                             "after"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("verbose", [False, True])
+def test_ray_console_quiets_ray_loggers_on_screen_only_and_restores_them(verbose, capsys):
+    import ray  # noqa: F401 (installs the handlers of the `ray` logger)
+
+    ray_logger = logging.getLogger("ray")
+    levels = [h.level for h in ray_logger.handlers]
+    with ray_console(verbose) as log:
+        ray_logger.info("an INFO line of Ray's")
+        ray_logger.warning("a WARNING of Ray's")
+        held = list(log._pending)
+    on_screen = capsys.readouterr().err
+    assert ("an INFO line of Ray's" in on_screen) is verbose
+    assert "a WARNING of Ray's" in on_screen
+    assert any("INFO" in line and "an INFO line of Ray's" in line for line in held)
+    assert [h.level for h in ray_logger.handlers] == levels and log not in ray_logger.handlers
+    assert ray_train_logging(verbose).log_level == ("INFO" if verbose else "WARNING")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("verbose", [False, True])
+def test_forwarded_lines_all_reach_ray_log_and_chatter_stays_off_screen(verbose):
+    """Through Ray's own dispatcher (read from Ray 2.60): fails here if a later Ray moves it."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    printed: list[dict] = []
+    dispatcher.add_handler("ray_print_logs", printed.append)  # as ray.init(log_to_driver=True)
+    log = RayLog()
+    try:
+        undo = route_forwarded_lines(log, verbose)
+        lines = ["Reporting training result 1: TrainingReport(...) from rank 0",
+                 "Error in training function:"]
+        dispatcher.emit({"pid": 7, "actor_name": "RayTrainWorker", "is_err": True, "lines": lines})
+        undo()
+        dispatcher.emit({"pid": 7, "is_err": True, "lines": ["after undo"]})
+    finally:
+        dispatcher.remove_handler("ray_print_logs")
+    shown = [batch["lines"] for batch in printed]
+    assert shown == [lines if verbose else lines[1:], ["after undo"]]
+    assert [line.split(" ", 2)[2] for line in log._pending] == [
+        f"(RayTrainWorker pid=7) {line}" for line in lines]
+
+
+@pytest.mark.unit
+def test_train_command_takes_verbose():
+    parser = build_parser()
+    assert parser.parse_args(["train", "--verbose", "train.max_steps=3"]).verbose is True
+    assert parser.parse_args(["train"]).verbose is False
+
+
+# ---- the console of a real run (ray) ----
+
+def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`elastic-train train` in a subprocess with its own local Ray; stdout and stderr captured."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([repo, str(USER_MODELS), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [str(BIN / "elastic-train"), "train", "run.storage_path=" + str(tmp_path), *overrides],
+        capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env)
+
+
+def _tiny_with_progress_lines(tiny: list[str], small_dataset: str) -> list[str]:
+    overrides = [o for o in tiny if not o.startswith("log.progress=")]
+    return [*overrides, "log.progress=lines", "log.print_every_steps=5", f"data.path={small_dataset}",
+            "train.max_steps=12", "checkpoint.every_steps=6"]
+
+
+@pytest.mark.ray
+def test_default_console_shows_progress_and_no_ray_info_line(tmp_path, tiny, small_dataset):
+    proc = _train(tmp_path, "run.name=quiet", *_tiny_with_progress_lines(tiny, small_dataset))
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-5000:]
+    assert ray_info_lines(console) == [], console
+    # progress lines (polled: which steps they show depends on timing)
+    assert re.search(r"^step \d+/12 epoch 0 loss [\d.]+ .* workers 2 ", proc.stdout, re.M), console
+    assert "finished: 12 steps" in proc.stdout
+    ray_log = (tmp_path / "quiet" / RAY_LOG).read_text()
+    assert "Started a local Ray instance" in ray_log  # kept, in the run folder
+    assert "Reporting training result" in ray_log
+
+
+@pytest.mark.ray
+def test_failing_run_console_shows_the_workers_error(tmp_path, tiny, small_dataset):
+    proc = _train(tmp_path, "run.name=fails", *_tiny_with_progress_lines(tiny, small_dataset),
+                  "model.name=tiny_gru:fails_in_forward", "scaling.max_failures=0")
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 1, console[-5000:]
+    assert "error: run failed: ValueError: this model fails in forward on purpose" in proc.stderr
+    # the worker's own traceback, down to the user's line that raised
+    assert re.search(r'File ".*tiny_gru\.py", line \d+, in forward', console), console
+    assert 'raise ValueError("this model fails in forward on purpose")' in console
+    assert ray_info_lines(console) == [], console
