@@ -32,6 +32,7 @@ from elastic_train.provenance import versions
 from elastic_train.rowgroups import DataError
 
 CRASH_COMMIT_WAIT_S = 120.0  # fault hooks: the longest wait for a checkpoint's commit
+REQUEST_POLL_INTERVAL_S = 1.0  # how often rank 0 asks the RunLog whether a checkpoint is wanted
 
 
 def _broadcast_from_rank0(value: Any) -> Any:
@@ -69,7 +70,8 @@ class RayWorkerEnv:
         self.last_saved_step = -1
         self._nonfinite_pending: list[int] = []
         self.fatal: str | None = None  # set when the run must stop (see handle_nonfinite)
-        self._request_ref = None  # checkpoint_requested: the RunLog call in flight
+        self._request_ref = None  # checkpoint_requested: the RunLog call in flight ...
+        self._last_request_poll = -REQUEST_POLL_INTERVAL_S  # ... and when it was made
         self._last_poll: float | None = None  # preemption_notice: when it last ran ...
         self._step_intervals: deque[float] = deque(maxlen=8)  # ... and the times between
         self._preemption_seen = None  # the drain notice already acted on ...
@@ -144,6 +146,11 @@ class RayWorkerEnv:
             return True
         ref = self._request_ref
         if ref is None:
+            # At most one actor call a second, not one a step: a node joining waits that long more.
+            now = time.monotonic()
+            if now - self._last_request_poll < REQUEST_POLL_INTERVAL_S:
+                return False
+            self._last_request_poll = now
             self._request_ref = self.runlog.take_checkpoint_request.remote()
             return False
         ready, _ = ray.wait([ref], timeout=0)
