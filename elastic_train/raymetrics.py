@@ -7,7 +7,9 @@ the agent; Ray prefixes every name with `ray_`. Every series carries the tag `ru
 
     elastic_train_step             gauge      the latest step trained
     elastic_train_step_time_s      histogram  seconds per step (rank 0: data wait, forward, backward,
-                                              all-reduce, optimizer); quantiles from its buckets
+                                              all-reduce, optimizer); quantiles from its buckets.
+                                              Ray rebuilds its `_sum` from the midpoints of the
+                                              buckets hit, so a mean from it is rough
     elastic_train_tokens_per_s     gauge      real (non-padding) tokens of the latest step / its time
     elastic_train_mfu              gauge      the latest step's model FLOPs utilisation
                                               (against log.peak_flops per worker)
@@ -24,6 +26,7 @@ show no series at all. The gauges stay exported while the RunLog lives, that is 
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -62,6 +65,7 @@ class RunMetrics:
 
     def __init__(self, run_name: str, start_time: float) -> None:
         self.goodput = RunningGoodput(start_time)
+        self._lock = threading.Lock()  # the RunLog runs calls on several threads (max_concurrency)
         tags = ("run",)
         self.gauges = {name: Gauge(PREFIX + name, description, tag_keys=tags) for name, description in (
             ("step", "The latest step trained."),
@@ -78,14 +82,16 @@ class RunMetrics:
 
     def on_attempt(self, attempt: int, world_size: int) -> None:
         """A start or restart of the worker group (`attempt` counts from 0 in the run folder)."""
-        self.gauges["restarts"].set(attempt)
-        self.gauges["world_size"].set(world_size)
-        self.gauges["goodput"].set(self.goodput.value(time.time()))
+        with self._lock:
+            self.gauges["restarts"].set(attempt)
+            self.gauges["world_size"].set(world_size)
+            self.gauges["goodput"].set(self.goodput.value(time.time()))
 
     def on_step(self, record: dict[str, Any]) -> None:
         """Rank 0's record of a step (metrics.jsonl's fields)."""
-        self.goodput.add_step(record["step"], record["step_time_s"] - record["data_wait_s"])
-        self.step_time_s.observe(record["step_time_s"])
-        for name in ("step", "tokens_per_s", "mfu", "world_size"):
-            self.gauges[name].set(record[name])
-        self.gauges["goodput"].set(self.goodput.value(time.time()))
+        with self._lock:
+            self.goodput.add_step(record["step"], record["step_time_s"] - record["data_wait_s"])
+            self.step_time_s.observe(record["step_time_s"])
+            for name in ("step", "tokens_per_s", "mfu", "world_size"):
+                self.gauges[name].set(record[name])
+            self.gauges["goodput"].set(self.goodput.value(time.time()))
