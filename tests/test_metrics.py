@@ -84,16 +84,12 @@ def _gauges(sample: dict[str, float]) -> list[dict[str, float]]:
     return [sample] if all(f"elastic_train_{name}" in sample for name in GAUGES) else []
 
 
-def config(small_dataset, tmp_path, name: str, *extra: str):
-    return load_config(None, [*TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
-                              f"run.name={name}", "train.max_steps=16", "checkpoint.every_steps=4",
-                              *extra])
-
-
 @pytest.mark.ray
 def test_step_time_tokens_mfu_goodput_and_restarts_reach_prometheus(metrics_cluster, small_dataset,
                                                                      tmp_path):
-    summary, seen = train_and_scrape(metrics_cluster, config(small_dataset, tmp_path, "metrics"))
+    cfg = load_config(None, [*TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
+                             "run.name=metrics", "train.max_steps=16", "checkpoint.every_steps=4"])
+    summary, seen = train_and_scrape(metrics_cluster, cfg)
     assert summary["status"] == "finished" and summary["restarts"] == 0
     assert seen, "no elastic_train_ gauges of this run in Ray's metrics export"
     last = seen[-1]
