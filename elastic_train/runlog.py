@@ -5,7 +5,8 @@ calls, so the loop never waits for storage and never calls `ray.train.report` ju
 actor appends to `metrics.jsonl` and `consumed/*.jsonl`, keeps `attempts.json` (the world size and
 start time of every attempt: restarts survive a driver restart too), and serves the latest state to
 the driver's progress display. For a remote `run.storage_path` (s3://, gs://, ...) it writes a local
-staging copy and uploads it on `flush`.
+staging copy and uploads it on `flush`. It also exports the run's figures through Ray's metrics API
+(`raymetrics.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import ray
 
+from elastic_train.raymetrics import RunMetrics
 from elastic_train.tb import TensorBoardWriter
 
 
@@ -95,17 +97,21 @@ class RunLog:
         self.requested_step: int | None = None
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
+        # The driver starts the RunLog as the fit starts; the run folder is `<storage>/<run.name>`.
+        self.metrics = RunMetrics(run_name=Path(self.folder.remote_path).name, start_time=time.time())
 
     def begin_attempt(self, world_size: int) -> int:
         """Record a new attempt (a start or restart of the worker group); return its index."""
         self.attempts.append({"attempt": len(self.attempts), "world_size": world_size,
                               "start_time": time.time()})
         self.folder.write("attempts.json", json.dumps(self.attempts))
+        self.metrics.on_attempt(len(self.attempts) - 1, world_size)
         return len(self.attempts) - 1
 
     def log_step(self, record: dict[str, Any]) -> None:
         self.latest = record
         self._log_metrics(record)
+        self.metrics.on_step(record)
 
     def log_eval(self, record: dict[str, Any]) -> None:
         """An evaluation's record: in metrics.jsonl too, told apart by its `eval_loss`."""
