@@ -96,7 +96,10 @@ def train_func(config: dict) -> None:
         with open(events, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    log(event="start")
+    import torch.distributed as dist
+
+    # the default process group Ray sets up: one per replica group (size 1 here), not across replicas
+    log(event="start", dist_world=dist.get_world_size() if dist.is_initialized() else None)
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 
