@@ -1,0 +1,135 @@
+"""Hangs and stragglers on a real local Ray cluster: a rank stuck in a live process, a frozen
+worker (SIGSTOP), a rank slowed on purpose. Each hang fails its attempt within
+scaling.collective_timeout_s plus a margin, and the run ends as one never interrupted does."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from test_train_ray import assert_same_training, metrics, run
+
+pytestmark = pytest.mark.ray
+
+TIMEOUT_S = 30  # scaling.collective_timeout_s of the hung runs: small, yet far above a tiny step
+MARGIN_S = 90  # failing an attempt and starting the next: a few seconds idle, a minute under load
+LONG = ["train.max_steps=24", "scaling.max_failures=1"]
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def first_step_begin(result, attempt: int) -> float:
+    """When `attempt` began its first step (wall time)."""
+    rec = min((r for r in metrics(result) if r["attempt"] == attempt), key=lambda r: r["step"])
+    return rec["time"] - rec["step_time_s"]
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, small_dataset, tmp_path_factory):
+    """2 workers, 24 steps, never interrupted."""
+    return run(tmp_path_factory.mktemp("ref"), small_dataset, "ref", *LONG)
+
+
+def test_a_rank_stuck_in_its_step_fails_the_attempt_within_the_timeout(reference, small_dataset,
+                                                                      tmp_path):
+    """Rank 1 stuck at the end of step 8, a checkpoint step: rank 0 waits for it in Ray's
+    checkpoint barrier (ray.train.report), which has no timeout, and rank 1's process answers Ray's
+    health checks: only the step watchdog ends this one. (Stuck at another step, rank 0's next
+    all-reduce times out about as soon, and either failure restarts the group.)"""
+    result = run(tmp_path, small_dataset, "hang", *LONG, f"scaling.collective_timeout_s={TIMEOUT_S}",
+                 "fault.hang_at_step=8", "fault.hang_rank=1")
+    s = result.summary
+    assert s["status"] == "finished" and s["restarts"] == 1 and s["world_sizes"] == [2, 2]
+    found = events(Path(result.run_dir))
+    hang = next(e for e in found if e["event"] == "hang_injected")
+    assert (hang["rank"], hang["step"]) == (1, 8)
+    timeout = next(e for e in found if e["event"] == "step_timeout")
+    assert (timeout["rank"], timeout["step"], timeout["pid"]) == (1, 8, hang["pid"])
+    # the watchdog said so well before giving up on the step
+    slow = [e for e in found if e["event"] == "slow_step" and (e["rank"], e["step"]) == (1, 8)]
+    assert len(slow) == 1 and slow[0]["time"] < timeout["time"]
+    assert TIMEOUT_S <= timeout["elapsed_s"] < TIMEOUT_S + 5
+    detected_s = timeout["time"] - hang["time"]
+    recovered_s = first_step_begin(result, 1) - hang["time"]
+    print(f"\nhang at step 8: step_timeout after {detected_s:.1f} s, next attempt's first step "
+          f"after {recovered_s:.1f} s (collective_timeout_s={TIMEOUT_S})")
+    assert recovered_s < TIMEOUT_S + MARGIN_S
+    assert_same_training(result, reference)
+
+
+class Freezer:
+    """Watches a running fit's files: SIGSTOPs rank 1 of attempt 0 once the run logged `step`."""
+
+    def __init__(self, run_dir: Path, step: int) -> None:
+        self.run_dir, self.step = run_dir, step
+        self.process: psutil.Process | None = None
+        self.stopped_at: float | None = None
+        self.done = threading.Event()
+
+    def watch(self) -> None:
+        while not self.done.wait(0.1):
+            start = [e for e in events(self.run_dir) if e["event"] == "start"
+                     and e["attempt"] == 0 and e["rank"] == 1]
+            path = self.run_dir / "metrics.jsonl"
+            steps = [json.loads(line)["step"] for line in path.read_text().splitlines()
+                     if line.endswith("}")] if path.is_file() else []
+            if start and steps and max(steps) >= self.step:
+                self.process = psutil.Process(start[0]["pid"])
+                self.stopped_at = time.time()
+                self.process.send_signal(signal.SIGSTOP)
+                return
+
+    def release(self) -> bool:
+        """Stop watching; True if the frozen process was still there (then it is killed)."""
+        self.done.set()
+        if self.process is None or not self.process.is_running():
+            return False
+        if self.process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        self.process.send_signal(signal.SIGCONT)
+        self.process.kill()
+        return True
+
+
+def test_a_frozen_worker_fails_the_attempt_within_the_timeout(reference, small_dataset, tmp_path):
+    """Rank 1 SIGSTOPped at step 8 or a little later (a slowed rank 1 gives the test time)."""
+    freezer = Freezer(tmp_path / "frozen", step=8)
+    watcher = threading.Thread(target=freezer.watch, daemon=True)
+    watcher.start()
+    try:
+        result = run(tmp_path, small_dataset, "frozen", *LONG,
+                     f"scaling.collective_timeout_s={TIMEOUT_S}", "fault.slow_rank=1",
+                     "fault.slow_step_s=0.3")
+    finally:
+        leaked = freezer.release()
+    assert freezer.stopped_at is not None, "the run ended before the test could freeze rank 1"
+    s = result.summary
+    assert s["status"] == "finished" and s["restarts"] == 1 and s["world_sizes"] == [2, 2]
+    assert not leaked, "Ray left the frozen worker process behind"
+    recovered_s = first_step_begin(result, 1) - freezer.stopped_at
+    print(f"\nSIGSTOP of rank 1: next attempt's first step after {recovered_s:.1f} s "
+          f"(collective_timeout_s={TIMEOUT_S}; 455 s before)")
+    assert recovered_s < TIMEOUT_S + MARGIN_S
+    assert_same_training(result, reference)
+
+
+def test_a_slowed_rank_is_named_the_slowest(ray_cluster, small_dataset, tmp_path):
+    result = run(tmp_path, small_dataset, "slow", "train.max_steps=12", "fault.slow_rank=1",
+                 "fault.slow_step_s=0.5")
+    s = result.summary
+    assert s["slowest_rank"] == 1 and s["slowest_ratio"] > 2, s["per_rank"]
+    ranks = {r["rank"]: r for r in s["per_rank"]}
+    assert ranks[1]["busy"]["p50_s"] >= 0.5 > ranks[0]["busy"]["p50_s"]
+    assert s["slowest_node"] == ranks[1]["node"] is not None
+    rec = metrics(result)[-1]
+    assert len(rec["rank_busy_s"]) == len(rec["rank_data_wait_s"]) == 2
