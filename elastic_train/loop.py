@@ -41,6 +41,7 @@ from elastic_train.optim import (
     training_bytes_per_param,
 )
 from elastic_train.plan import StreamSpec, assign_blocks, owned_partitions, partition_balance, utilisation
+from elastic_train.stragglers import RANK_BUSY, RANK_DATA_WAIT
 
 
 @dataclass
@@ -568,7 +569,7 @@ def _step_record(state: TrainState, **fields: Any) -> dict[str, Any]:
 def _rank_fields(per_rank: list[float], world_size: int) -> dict[str, list[float]]:
     """Every rank's busy time and data wait of the step before (see `_all_reduce`), gathered by
     this step's all-reduce."""
-    return {"rank_busy_s": per_rank[:world_size], "rank_data_wait_s": per_rank[world_size:]}
+    return {RANK_BUSY: per_rank[:world_size], RANK_DATA_WAIT: per_rank[world_size:]}
 
 
 def _cuda_memory(device: torch.device) -> dict[str, int]:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic_train.stragglers import STRAGGLER_RATIO, straggler
+from elastic_train.stragglers import RANK_BUSY, STRAGGLER_RATIO, straggler
 
 
 def _eta_s(history: list[tuple[float, int]], step: int, max_steps: int) -> float | None:
@@ -32,7 +32,7 @@ def format_line(latest: dict[str, Any], attempts: list[dict], max_steps: int, et
 
 def _straggler_note(latest: dict[str, Any]) -> str:
     """' slowest rank R Nx' when one rank's busy time is notably above the others'."""
-    found = straggler(latest.get("rank_busy_s") or [])
+    found = straggler(latest.get(RANK_BUSY) or [])
     if found is None or found[1] < STRAGGLER_RATIO:
         return ""
     rank, ratio = found

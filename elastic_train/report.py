@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_train.stragglers import RANK_BUSY
 from elastic_train.summary import build_summary, effective_records, ledger
 
 LEDGER_PARTS = ("startup_s", "productive_s", "recovery_s", "replayed_s", "checkpoint_s",
@@ -372,14 +373,14 @@ def plot_throughput(run: RunFiles, marks: list[Mark], path: Path) -> list[Mark]:
 def plot_ranks(run: RunFiles, path: Path) -> bool:
     """ranks.png: every rank's busy time (its step less its time in collectives) per step, one
     line per (attempt, rank); False (nothing drawn) when no record carries per-rank figures."""
-    recs = [r for r in run.records if isinstance(r.get("rank_busy_s"), list)]
+    recs = [r for r in run.records if isinstance(r.get(RANK_BUSY), list)]
     if not recs:
         return False
     fig, ax = _figure()
     for k, group in by_attempt(recs).items():
-        for rank in range(len(group[0]["rank_busy_s"])):
+        for rank in range(len(group[0][RANK_BUSY])):
             # a record carries the figures of the step before it
-            ax.plot([r["step"] - 1 for r in group], [r["rank_busy_s"][rank] for r in group],
+            ax.plot([r["step"] - 1 for r in group], [r[RANK_BUSY][rank] for r in group],
                     marker="o", markersize=2, linewidth=1,
                     label=f"attempt {k} rank {rank}")
     ax.set(xlabel="step", ylabel="busy time (s): step less time in collectives",

@@ -14,6 +14,9 @@ from typing import Any
 import numpy as np
 
 STRAGGLER_RATIO = 1.5  # a rank this many times the others' median busy time is worth showing
+# the step record's fields (lists in rank order, of the step before), written by loop.py
+RANK_BUSY = "rank_busy_s"
+RANK_DATA_WAIT = "rank_data_wait_s"
 
 
 def straggler(busy_s: list[float]) -> tuple[int, float] | None:
@@ -43,15 +46,15 @@ def rank_figures(records: list[dict[str, Any]], events: list[dict[str, Any]]) ->
     nodes = rank_nodes(events)
     by_attempt: dict[int, list[dict]] = {}
     for rec in records:
-        if "rank_busy_s" in rec:
+        if RANK_BUSY in rec:
             by_attempt.setdefault(rec["attempt"], []).append(rec)
     ranks = []
     for attempt, recs in sorted(by_attempt.items()):
-        for rank in range(len(recs[0]["rank_busy_s"])):
+        for rank in range(len(recs[0][RANK_BUSY])):
             ranks.append({"attempt": attempt, "rank": rank, "node": nodes.get((attempt, rank)),
                           "steps": len(recs),
-                          "busy": _percentiles([r["rank_busy_s"][rank] for r in recs]),
-                          "data_wait": _percentiles([r["rank_data_wait_s"][rank] for r in recs])})
+                          "busy": _percentiles([r[RANK_BUSY][rank] for r in recs]),
+                          "data_wait": _percentiles([r[RANK_DATA_WAIT][rank] for r in recs])})
     out: dict[str, Any] = {"per_rank": ranks, "slowest_rank": None, "slowest_node": None,
                            "slowest_ratio": None}
     if by_attempt:

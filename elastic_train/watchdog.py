@@ -67,8 +67,8 @@ class StepWatchdog:
             median = statistics.median(self._recent) if self._recent else None
             if elapsed > self.timeout_s:
                 return Verdict("timeout", self._step, elapsed, median)
-            if median is not None and elapsed > self.slow_factor * median \
-                    and self._reported != self._step:
+            slow = median is not None and elapsed > self.slow_factor * median
+            if slow and self._reported != self._step:
                 self._reported = self._step
                 return Verdict("slow", self._step, elapsed, median)
             return None

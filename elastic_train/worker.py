@@ -235,8 +235,8 @@ class RayWorkerEnv:
         f = self.fault
         if f.slow_rank == self.world_rank:
             time.sleep(f.slow_step_s)
-        if f.hang_at_step == step and f.hang_rank == self.world_rank \
-                and ray.get(self.runlog.claim_fault.remote(f"hang@{step}")):
+        hang = f.hang_at_step == step and f.hang_rank == self.world_rank
+        if hang and ray.get(self.runlog.claim_fault.remote(f"hang@{step}")):
             ray.get(self.log_event({"event": "hang_injected", "step": step}))
             threading.Event().wait()  # a live process that never finishes its step
         if f.crash_in_checkpoint or f.crash_at_step != step or f.crash_rank != self.world_rank:
