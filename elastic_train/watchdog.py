@@ -30,7 +30,7 @@ class Verdict:
     kind: str  # "slow": report it; "timeout": end the process
     step: int
     elapsed_s: float
-    median_s: float | None  # of the recent steps (None before the first one ended)
+    median_s: float  # of the recent steps
 
 
 class StepWatchdog:
@@ -59,16 +59,18 @@ class StepWatchdog:
                 self._recent.append(step_time_s)
 
     def check(self) -> Verdict | None:
-        """The verdict on the step in progress now, or None (a slow step is reported once)."""
+        """The verdict on the step in progress now, or None (a slow step is reported once).
+
+        A process's first step is left alone: it may compile the model or warm up for minutes,
+        and it has no median to compare with. Its collectives still time out."""
         with self._lock:
-            if self._step is None:
+            if self._step is None or not self._recent:
                 return None
             elapsed = self.clock() - self._began
-            median = statistics.median(self._recent) if self._recent else None
+            median = statistics.median(self._recent)
             if elapsed > self.timeout_s:
                 return Verdict("timeout", self._step, elapsed, median)
-            slow = median is not None and elapsed > self.slow_factor * median
-            if slow and self._reported != self._step:
+            if elapsed > self.slow_factor * median and self._reported != self._step:
                 self._reported = self._step
                 return Verdict("slow", self._step, elapsed, median)
             return None

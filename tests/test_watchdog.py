@@ -24,8 +24,9 @@ def test_slow_step_reported_once_then_timeout():
     dog = StepWatchdog(timeout_s=30.0, slow_factor=10.0, clock=clock)
     assert dog.check() is None  # between steps
     dog.begin_step(1)
-    clock.now = 25.0  # the first step: no median yet, nothing to call slow
+    clock.now = 100.0  # the first step (compilation, warm-up): no median, no timeout
     assert dog.check() is None
+    clock.now = 25.0
     dog.end_step(25.0)
     for step, seconds in ((2, 1.0), (3, 1.0)):
         dog.begin_step(step)
@@ -46,12 +47,15 @@ def test_an_empty_iteration_disarms_without_counting_as_a_step():
     clock = Clock()
     dog = StepWatchdog(timeout_s=5.0, slow_factor=2.0, clock=clock)
     dog.begin_step(1)
+    clock.now = 1.0
+    dog.end_step(1.0)
+    dog.begin_step(2)
     clock.now = 100.0
     dog.end_step(None)  # the epoch's end: nothing trained
     assert dog.check() is None
-    dog.begin_step(1)
-    clock.now += 4.0
-    assert dog.check() is None  # no median from the empty iteration
+    dog.begin_step(2)
+    clock.now += 2.5
+    assert dog.check() == Verdict("slow", 2, 2.5, 1.0)  # the median is still the real step's
 
 
 def test_nccl_flight_recorder_dumps_into_the_run_folder_on_gpu(tmp_path):
