@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 POLL_S = 0.5  # how often the thread looks: the resolution of both the report and the timeout
 WINDOW_STEPS = 20  # the recent steps whose median is "normal"
+# The timeout counts this many median steps more than the collectives' own, so that a rank
+# waiting in a collective (which began up to about one normal step after its step did) sees that
+# collective time out first: gloo then raises an error naming it, and NCCL dumps its flight recorder.
+COLLECTIVES_FIRST_STEPS = 2.0
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ class StepWatchdog:
                 return None
             elapsed = self.clock() - self._began
             median = statistics.median(self._recent)
-            if elapsed > self.timeout_s:
+            if elapsed > self.timeout_s + COLLECTIVES_FIRST_STEPS * median:
                 return Verdict("timeout", self._step, elapsed, median)
             if elapsed > self.slow_factor * median and self._reported != self._step:
                 self._reported = self._step

@@ -46,7 +46,7 @@ class RayWorkerEnv:
     """What `loop.train_loop` sees of Ray Train on one worker."""
 
     def __init__(self, fault: FaultConfig, record_ids: bool, runlog, block_table: BlockTable,
-                 extra_columns: tuple[str, ...] = (), watchdog: StepWatchdog | None = None) -> None:
+                 watchdog: StepWatchdog, extra_columns: tuple[str, ...] = ()) -> None:
         ctx = ray.train.get_context()
         # Only what the env itself acts on: the config reaches the loop one way, as its argument.
         self.fault = fault  # test hooks
@@ -202,12 +202,10 @@ class RayWorkerEnv:
 
     # -- the step watchdog (watchdog.py) ---------------------------------------------------------
     def step_began(self, step: int) -> None:
-        if self.watchdog is not None:
-            self.watchdog.begin_step(step)
+        self.watchdog.begin_step(step)
 
     def step_ended(self, step_time_s: float | None) -> None:
-        if self.watchdog is not None:
-            self.watchdog.end_step(step_time_s)
+        self.watchdog.end_step(step_time_s)
 
     def on_verdict(self, verdict: Verdict) -> None:
         """Runs on the watchdog's thread: report a slow step; end the process on a timeout."""
@@ -309,7 +307,7 @@ def train_worker(config: dict[str, Any]) -> None:
     _make_nccl_dump_folder()
     watchdog = StepWatchdog(cfg.scaling.collective_timeout_s, cfg.scaling.slow_step_factor)
     env = RayWorkerEnv(cfg.fault, cfg.data.record_ids, config["runlog"], config["block_table"],
-                       tuple(config["extra_columns"]), watchdog)
+                       watchdog, tuple(config["extra_columns"]))
     if ray.get(config["runlog"].progress.remote())["fatal"]:
         return  # an earlier attempt found what stops this run (see below)
     watchdog.start(env.on_verdict)
