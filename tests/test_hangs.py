@@ -23,7 +23,8 @@ TIMEOUT_S = 30  # scaling.collective_timeout_s of the hung runs: small, yet far 
 # leave the process group (TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, 30 s), then 5 s more, then kills
 RAY_SHUTDOWN_S = 35
 MARGIN_S = 30  # from the timeout to the decision to restart: a few seconds, more under load
-RESTART_S = 150  # starting the next worker group: ~15 s idle, up to 80 s seen on a loaded 2 cores
+RESTART_S = 150  # starting the next worker group: ~15 s idle, up to 120 s seen on a loaded 2 cores
+SLOW_TEST_S = 1200  # the reference run, a hung attempt and a restart: each minutes when loaded
 LONG = ["train.max_steps=24", "scaling.max_failures=1"]
 
 
@@ -46,6 +47,7 @@ def reference(ray_cluster, small_dataset, tmp_path_factory):
     return run(tmp_path_factory.mktemp("ref"), small_dataset, "ref", *LONG)
 
 
+@pytest.mark.timeout(SLOW_TEST_S)
 def test_a_rank_stuck_in_its_step_fails_the_attempt_within_the_timeout(reference, small_dataset,
                                                                       tmp_path):
     """Rank 1 stuck at the end of step 8, a checkpoint step: rank 0 waits for it in Ray's
@@ -121,6 +123,7 @@ class Freezer:
         return True
 
 
+@pytest.mark.timeout(SLOW_TEST_S)
 def test_a_frozen_worker_fails_the_attempt_within_the_timeout(reference, small_dataset, tmp_path):
     """Rank 1 SIGSTOPped at step 8 or a little later (a slowed rank 1 gives the test time)."""
     freezer = Freezer(tmp_path / "frozen", step=8)
