@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", default=None, help="checkpoint folder name (default: the newest)")
     p.set_defaults(func=_sample)
-    p = sub.add_parser("report", help="a run's figures as a table, plus loss.png and throughput.png")
+    p = sub.add_parser("report", help="a run's figures as a table, plus loss.png, throughput.png "
+                                      "and ranks.png")
     p.add_argument("run_folder")
     p.set_defaults(func=_report)
     return parser
