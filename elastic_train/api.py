@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -287,6 +288,11 @@ def init_ray(cfg: Config) -> bool:
         cfg.scaling.worker_group_start_timeout_s
     )
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(cfg.scaling.preemption_poll_interval_s)
+    # A frozen worker (SIGSTOP, a machine stalled in swap) answers no health check: Ray declares it
+    # dead after this long (10 minutes by default), the same bound as a stuck collective. Ray's own
+    # barrier timeout (RAY_TRAIN_COLLECTIVE_TIMEOUT_S) stays off: ranks wait at ray.train.report
+    # while rank 0 writes a final checkpoint, which may rightly take longer.
+    os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.scaling.collective_timeout_s)
     if ray.is_initialized():
         return False
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")
@@ -356,6 +362,21 @@ def driver_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys(os.path.abspath(p) for p in entries if p))
 
 
+def nccl_env(cfg: Config) -> dict[str, str]:
+    """The workers' NCCL settings on a GPU run ({} on CPU): a timed-out collective aborts the
+    communicator and fails the attempt (instead of hanging in the kernel), and the flight recorder
+    keeps the last collectives of every rank, dumped on a timeout into the run folder's
+    `nccl_trace/rank_<N>` (for remote storage, a local folder on each node, named in the README)."""
+    if not cfg.scaling.use_gpu:
+        return {}
+    folder = run_uri(cfg)
+    if "://" in folder:
+        folder = os.path.join(tempfile.gettempdir(), "elastic_train", cfg.run.name)
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(folder, "nccl_trace", "rank_")}
+
+
 def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | None = None,
                   loss_fn: LossFn | None = None, record: dict | None = None,
                   verbose: bool = False) -> TorchTrainer:
@@ -385,6 +406,7 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
             failure_config=FailureConfig(max_failures=s.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             logging_config=ray_train_logging(verbose),
+            worker_runtime_env={"env_vars": nccl_env(cfg)},
         ),
     )
 

@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, 
                    help="checkpoint folder name (default: the best kept, else the newest)")
     p.set_defaults(func=_sample)
-    p = sub.add_parser("report", help="a run's figures as a table, plus loss.png and throughput.png")
+    p = sub.add_parser("report", help="a run's figures as a table, plus loss.png, throughput.png "
+                                      "and ranks.png")
     p.add_argument("run_folder")
     p.set_defaults(func=_report)
     return parser

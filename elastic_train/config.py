@@ -48,8 +48,11 @@ class ScalingConfig:
     preemption_poll_interval_s: float = 1.0  # how often Ray looks for nodes being drained (spot notices)
     torch_threads: int = 1  # intra-op threads per CPU worker
     # a collective (all-reduce, barrier) that waits longer fails the attempt, so Ray restarts the
-    # group instead of idling every GPU for torch's default 30 minutes
+    # group instead of idling every GPU for torch's default 30 minutes; also the longest a step may
+    # run (the step watchdog then ends that worker) and the longest a frozen worker may leave Ray's
+    # health check unanswered
     collective_timeout_s: int = 300
+    slow_step_factor: float = 10.0  # a step this many times the recent median is reported (event)
 
 
 @dataclass
@@ -138,6 +141,10 @@ class FaultConfig:
     nan_rank: int = 0
     nan_repeat: bool = False  # poison it on every attempt (tests rollback, then failure)
     crash_in_eval: bool = False  # die in the middle of the evaluation after crash_at_step
+    hang_at_step: int | None = None  # test hook: that rank's step blocks forever, once, at this step
+    hang_rank: int = 0
+    slow_rank: int | None = None  # test hook: this rank sleeps slow_step_s in every step
+    slow_step_s: float = 0.0
 
 
 @dataclass
@@ -401,6 +408,7 @@ def _validate_scaling(s: ScalingConfig) -> None:
                 "resize_monitor_interval_s", "preemption_poll_interval_s", "collective_timeout_s"):
         _at_least(f"scaling.{key}", getattr(s, key), 0, strict=True)
     _at_least("scaling.torch_threads", s.torch_threads, 1)
+    _at_least("scaling.slow_step_factor", s.slow_step_factor, 1, strict=True)
     for name, amount in s.resources_per_worker.items():
         _require(name not in ("CPU", "GPU"), f"scaling.resources_per_worker.{name}: set it with "
                  f"scaling.{'cpus_per_worker' if name == 'CPU' else 'use_gpu'} instead")
@@ -454,12 +462,17 @@ def eval_enabled(e: EvalConfig) -> bool:
 
 
 def _validate_fault(f: FaultConfig, s: ScalingConfig) -> None:
-    for key in ("crash_at_step", "nan_at_step"):
+    for key in ("crash_at_step", "nan_at_step", "hang_at_step"):
         _at_least(f"fault.{key}", getattr(f, key), 1)
-    for key in ("crash_rank", "nan_rank"):
+    for key in ("crash_rank", "nan_rank", "hang_rank", "slow_rank"):
         rank = getattr(f, key)
-        _require(0 <= rank < s.max_workers, f"fault.{key} ({rank}) must be a worker rank, in "
-                                            f"[0, scaling.max_workers={s.max_workers})")
+        _require(rank is None or 0 <= rank < s.max_workers,
+                 f"fault.{key} ({rank}) must be a worker rank, in "
+                 f"[0, scaling.max_workers={s.max_workers})")
+    _at_least("fault.slow_step_s", f.slow_step_s, 0)
+    _require((f.slow_rank is None) == (f.slow_step_s == 0),
+             f"fault.slow_rank ({f.slow_rank}) and fault.slow_step_s ({f.slow_step_s}) go together: "
+             "set both (a rank and a sleep > 0) or neither")
 
 
 def _validate_model(m: ModelConfig) -> None:

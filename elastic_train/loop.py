@@ -41,6 +41,7 @@ from elastic_train.optim import (
     training_bytes_per_param,
 )
 from elastic_train.plan import StreamSpec, assign_blocks, owned_partitions, partition_balance, utilisation
+from elastic_train.stragglers import RANK_BUSY, RANK_DATA_WAIT
 
 
 @dataclass
@@ -100,12 +101,39 @@ def gather_from_all(value: Any) -> list[Any]:
     return [value]
 
 
+_collective_s = 0.0  # this process's running time inside the loop's all-reduces (one loop a process)
+
+
+def _all_reduce(t: torch.Tensor) -> None:
+    """dist.all_reduce, timed: a rank's step time less its time in collectives is its own work
+    (busy time). Every rank of a synchronous step takes as long as the slowest; only the busy
+    time tells the straggler from the ranks that wait for it."""
+    global _collective_s
+    t0 = time.perf_counter()
+    dist.all_reduce(t)
+    _collective_s += time.perf_counter() - t0
+
+
+def collective_seconds() -> float:
+    """Seconds this process has spent in the loop's all-reduces so far."""
+    return _collective_s
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum a few numbers over all ranks in one collective (identity without a process group)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if _distributed():
-        dist.all_reduce(t)
+        _all_reduce(t)
     return t.tolist()
+
+
+def rank_slots(world_size: int, rank: int, *values: float) -> list[float]:
+    """One vector of `world_size` slots per value, zero but for this rank's slot: summed over
+    ranks (in the step's one all-reduce), every rank's values, in rank order."""
+    out = [0.0] * (world_size * len(values))
+    for i, value in enumerate(values):
+        out[i * world_size + rank] = value
+    return out
 
 
 def autocast_context(precision: str, device: torch.device):
@@ -146,7 +174,7 @@ class ExactGradSum:
     def finish(self) -> None:
         """All-reduce the sums and leave them in `.grad` (fp32), ready for clipping and the step."""
         if _distributed():
-            dist.all_reduce(self.flat)
+            _all_reduce(self.flat)
         for p, acc in zip(self.params, self.views, strict=True):
             p.grad = acc.to(p.dtype, copy=True)
         self.flat.zero_()
@@ -357,8 +385,10 @@ class WorkerEnv(Protocol):
     def log_eval(self, record: dict[str, Any]) -> None: ...
     def best_writer(self) -> BestCheckpointWriter: ...  # keeps best checkpoints in the run folder
     def log_consumed(self, attempt: int, state: TrainState, micro_batches: list[MicroBatch]) -> None: ...
-    def maybe_crash(self, step: int) -> None: ...
+    def inject_faults(self, step: int) -> None: ...
     def maybe_crash_in_eval(self, step: int) -> None: ...
+    def step_began(self, step: int) -> None: ...
+    def step_ended(self, step_time_s: float | None) -> None: ...
     def maybe_poison_gradient(self, model: torch.nn.Module, step: int) -> None: ...
     def handle_nonfinite(self, step: int, micro_batches: list[MicroBatch]) -> None: ...
 
@@ -538,25 +568,29 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     env.log_event({"event": "start", "attempt": attempt, "world_size": world_size,
                    "resumed_step": state.step, "rank": rank,
                    "utilisation": utilisation(num_partitions(cfg), world_size)})
+    previous: tuple[float, float] | None = None  # this rank's (busy, data wait) of its last step
     while state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
         if rank == 0:
             _log_epoch_plan(env, cfg, state.epoch)
         stream = _epoch_stream(cfg, reader, state, partitions)
         try:
             while state.step < cfg.train.max_steps:
-                t0 = time.perf_counter()
+                t0, collective0 = time.perf_counter(), collective_seconds()
+                env.step_began(state.step + 1)
                 (micro_batches, cursors), wait_s = stream.next()
                 env.startup.setdefault("first_batch", time.time())
                 template = micro_batches[0] if micro_batches else template
-                n_mb, targets, real, padded, rows, requested = all_reduce_sum(
+                n_mb, targets, real, padded, rows, requested, *per_rank = all_reduce_sum(
                     [len(micro_batches), sum(mb.targets for mb in micro_batches),
                      sum(mb.real_tokens for mb in micro_batches),
                      sum(mb.padded_tokens for mb in micro_batches),
-                     sum(len(mb.ids) for mb in micro_batches), env.checkpoint_requested()],
+                     sum(len(mb.ids) for mb in micro_batches), env.checkpoint_requested(),
+                     *rank_slots(world_size, rank, *(previous or (0.0, 0.0)))],
                     env.device,
                 )
                 if n_mb == 0:  # every rank's partitions are exhausted: the epoch is over
                     state.epoch, state.step_in_epoch, state.cursors = state.epoch + 1, 0, {}
+                    env.step_ended(None)
                     break
                 lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
                 result = train_step(
@@ -595,10 +629,14 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                         mfu=flops_per_token * real / step_time_s / (cfg.log.peak_flops * world_size),
                         rss_bytes=process.memory_info().rss, skipped=result.skipped, rows=int(rows),
                         micro_batches=int(n_mb), **_cuda_memory(env.device),
+                        **(_rank_fields(per_rank, world_size) if previous else {}),
                     ))
+                env.inject_faults(state.step)
+                step_s = time.perf_counter() - t0
+                previous = (step_s - (collective_seconds() - collective0), wait_s)
+                env.step_ended(step_s)
                 if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
-                    run_eval(cfg, env, t, partitions, attempt, best)
-                env.maybe_crash(state.step)
+                    run_eval(cfg, env, t, partitions, attempt, best)  # between steps: no watchdog
                 periodic = cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0
                 if periodic or requested:
                     # requested: the driver expects a resize; commit it before going on (SYNC)
@@ -622,6 +660,12 @@ def _step_record(state: TrainState, **fields: Any) -> dict[str, Any]:
     record.update(fields)
     record.update(skipped_steps=state.skipped_steps)
     return record
+
+
+def _rank_fields(per_rank: list[float], world_size: int) -> dict[str, list[float]]:
+    """Every rank's busy time and data wait of the step before (see `_all_reduce`), gathered by
+    this step's all-reduce."""
+    return {RANK_BUSY: per_rank[:world_size], RANK_DATA_WAIT: per_rank[world_size:]}
 
 
 def _cuda_memory(device: torch.device) -> dict[str, int]:

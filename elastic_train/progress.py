@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic_train.stragglers import RANK_BUSY, STRAGGLER_RATIO, straggler
+
 
 def _eta_s(history: list[tuple[float, int]], step: int, max_steps: int) -> float | None:
     if len(history) < 2 or history[-1][1] == history[0][1]:
@@ -28,7 +30,16 @@ def format_line(latest: dict[str, Any], attempts: list[dict], max_steps: int, et
     return (f"step {latest['step']}/{max_steps} epoch {latest['epoch']} "
             f"loss {latest['loss']:.4f} {evaluated}lr {latest['lr']:.2e} "
             f"tok/s {latest['tokens_per_s']:.0f} workers {latest['world_size']} "
-            f"restarts {max(len(attempts) - 1, 0)} eta {eta}")
+            f"restarts {max(len(attempts) - 1, 0)} eta {eta}{_straggler_note(latest)}")
+
+
+def _straggler_note(latest: dict[str, Any]) -> str:
+    """' slowest rank R Nx' when one rank's busy time is notably above the others'."""
+    found = straggler(latest.get(RANK_BUSY) or [])
+    if found is None or found[1] < STRAGGLER_RATIO:
+        return ""
+    rank, ratio = found
+    return f" slowest rank {rank} {ratio:.1f}x"
 
 
 def _ray_poll(runlog) -> dict[str, Any]:

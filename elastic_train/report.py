@@ -8,7 +8,8 @@ one older than the metrics (a resumed run that is still going, or whose driver d
 is computed from the logs up to their last line.
 `loss.png` shows loss against step for every attempt (a replayed step appears once per attempt),
 and the eval loss when the run evaluated, and `throughput.png` shows tokens/s against wall time;
-both mark each restart and resize.
+both mark each restart and resize. `ranks.png` (when the records carry every rank's figures) shows
+each rank's busy time per step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_train.stragglers import RANK_BUSY
 from elastic_train.summary import build_summary, effective_records, ledger, split_records
 
 LEDGER_PARTS = ("startup_s", "productive_s", "recovery_s", "replayed_s", "checkpoint_s",
@@ -63,6 +65,7 @@ class Report:
     throughput_marks: list[Mark]  # those drawn on throughput.png
     loss_png: Path
     throughput_png: Path
+    ranks_png: Path | None = None  # None: no record carries per-rank figures (one worker, old run)
 
 
 def fit_start_time(records: list[dict], events: list[dict], attempts: list[dict]) -> float:
@@ -276,6 +279,10 @@ def build_table(run: RunFiles):
     table.add_row("world sizes", " → ".join(str(w) for w in s.get("world_sizes", [])) or "-")
     table.add_row("skipped steps", _fmt(s.get("skipped_steps")))
     table.add_row("replayed steps", _fmt(s.get("replayed_steps")))
+    if s.get("slowest_rank") is not None:
+        table.add_row("slowest rank (busy p50 / others')",
+                      f"{s['slowest_rank']} on {s.get('slowest_node') or '?'}: "
+                      f"{_fmt(s.get('slowest_ratio'), '.2f')}x")
     table.add_section()
     lg = s.get("ledger") or {}
     wall = lg.get("wall_s") or s.get("wall_s")
@@ -383,8 +390,32 @@ def plot_throughput(run: RunFiles, marks: list[Mark], path: Path) -> list[Mark]:
     return drawn
 
 
+def plot_ranks(run: RunFiles, path: Path) -> bool:
+    """ranks.png: every rank's busy time (its step less its time in collectives) per step, one
+    line per (attempt, rank); False (nothing drawn) when no record carries per-rank figures."""
+    recs = [r for r in run.records if isinstance(r.get(RANK_BUSY), list)]
+    if not recs:
+        return False
+    fig, ax = _figure()
+    for k, group in by_attempt(recs).items():
+        for rank in range(len(group[0][RANK_BUSY])):
+            # a record carries the figures of the step before it
+            ax.plot([r["step"] - 1 for r in group], [r[RANK_BUSY][rank] for r in group],
+                    marker="o", markersize=2, linewidth=1,
+                    label=f"attempt {k} rank {rank}")
+    ax.set(xlabel="step", ylabel="busy time (s): step less time in collectives",
+           title=f"{run.folder.name}: step time per rank")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
 def make_report(folder: str | Path, console=None) -> Report:
-    """Print the table to `console` (default: stdout) and write loss.png and throughput.png."""
+    """Print the table to `console` (default: stdout) and write loss.png, throughput.png and,
+    with per-rank figures, ranks.png."""
     from rich.console import Console
 
     run = load_run(folder)
@@ -394,9 +425,12 @@ def make_report(folder: str | Path, console=None) -> Report:
     console.print(build_table(run))
     marks = find_marks(run.records, run.attempts)
     loss_png, throughput_png = run.folder / "loss.png", run.folder / "throughput.png"
+    ranks_png = run.folder / "ranks.png"
     report = Report(run, marks, plot_loss(run, marks, loss_png),
-                    plot_throughput(run, marks, throughput_png), loss_png, throughput_png)
-    console.print(f"wrote {report.loss_png} and {report.throughput_png}")
+                    plot_throughput(run, marks, throughput_png), loss_png, throughput_png,
+                    ranks_png if plot_ranks(run, ranks_png) else None)
+    written = [p for p in (report.loss_png, report.throughput_png, report.ranks_png) if p]
+    console.print("wrote " + ", ".join(str(p) for p in written))
     return report
 
 

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elastic_train.stragglers import rank_figures
+
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
@@ -180,6 +182,7 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
     }
     summary["goodput"] = summary["ledger"]["goodput"]
     summary.update(read_figures(events, sum(r.get("rows", 0) for r in effective.values())))
+    summary.update(rank_figures(records, events))
     return summary
 
 

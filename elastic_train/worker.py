@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -30,9 +31,11 @@ from elastic_train.checkpoint import BestCheckpointWriter, write_checkpoint
 from elastic_train.config import FaultConfig, config_from_dict
 from elastic_train.provenance import versions
 from elastic_train.rowgroups import DataError
+from elastic_train.watchdog import StepWatchdog, Verdict
 
 CRASH_COMMIT_WAIT_S = 120.0  # fault hooks: the longest wait for a checkpoint's commit
 REQUEST_POLL_INTERVAL_S = 1.0  # how often rank 0 asks the RunLog whether a checkpoint is wanted
+LAST_EVENT_WAIT_S = 10.0  # the watchdog's wait for its event to be written before the process ends
 
 
 def _broadcast_from_rank0(value: Any) -> Any:
@@ -47,8 +50,8 @@ class RayWorkerEnv:
     """What `loop.train_loop` sees of Ray Train on one worker."""
 
     def __init__(self, fault: FaultConfig, record_ids: bool, runlog, block_table: BlockTable,
-                 extra_columns: tuple[str, ...] = (), eval_table: BlockTable | None = None,
-                 provenance: dict[str, Any] | None = None,
+                 watchdog: StepWatchdog, extra_columns: tuple[str, ...] = (),
+                 eval_table: BlockTable | None = None, provenance: dict[str, Any] | None = None,
                  startup: dict[str, float] | None = None) -> None:
         ctx = ray.train.get_context()
         # Only what the env itself acts on: the config reaches the loop one way, as its argument.
@@ -66,6 +69,11 @@ class RayWorkerEnv:
         self.world_rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
         self.device = ray.train.torch.get_device()
+        # Where this rank runs, on each event it logs: a slow or hung rank is named by its node,
+        # and a test finds the process to freeze by its pid.
+        self.whereabouts = {"rank": self.world_rank, "node": ray.util.get_node_ip_address(),
+                            "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        self.watchdog = watchdog
         self.attempt = -1
         self.last_saved_step = -1
         self._nonfinite_pending: list[int] = []
@@ -214,8 +222,27 @@ class RayWorkerEnv:
     def log_step(self, record: dict[str, Any]) -> None:
         self.runlog.log_step.remote(record)
 
-    def log_event(self, record: dict[str, Any]) -> None:
-        self.runlog.log_event.remote(record)
+    def log_event(self, record: dict[str, Any]) -> Any:
+        return self.runlog.log_event.remote({**self.whereabouts, **record})
+
+    # -- the step watchdog (watchdog.py) ---------------------------------------------------------
+    def step_began(self, step: int) -> None:
+        self.watchdog.begin_step(step)
+
+    def step_ended(self, step_time_s: float | None) -> None:
+        self.watchdog.end_step(step_time_s)
+
+    def on_verdict(self, verdict: Verdict) -> None:
+        """Runs on the watchdog's thread: report a slow step; end the process on a timeout."""
+        record = {"step": verdict.step, "elapsed_s": round(verdict.elapsed_s, 3),
+                  "median_s": verdict.median_s}
+        if verdict.kind == "slow":
+            self.log_event({"event": "slow_step", **record})
+            return
+        try:  # the event first, if the RunLog takes it in time: it says why the attempt ended
+            ray.get(self.log_event({"event": "step_timeout", **record}), timeout=LAST_EVENT_WAIT_S)
+        finally:
+            os._exit(1)  # the main thread may be blocked for good: only ending the process is sure
 
     def log_eval(self, record: dict[str, Any]) -> None:
         self.runlog.log_eval.remote(record)
@@ -232,8 +259,15 @@ class RayWorkerEnv:
         self.runlog.log_consumed.remote(self.world_rank, attempt, [line])
 
     # -- fault injection and the non-finite policy ----------------------------------------------
-    def maybe_crash(self, step: int) -> None:
+    def inject_faults(self, step: int) -> None:
+        """The test hooks that act at the end of a step: a crash, a hang, a slow rank."""
         f = self.fault
+        if f.slow_rank == self.world_rank:
+            time.sleep(f.slow_step_s)
+        hang = f.hang_at_step == step and f.hang_rank == self.world_rank
+        if hang and ray.get(self.runlog.claim_fault.remote(f"hang@{step}")):
+            ray.get(self.log_event({"event": "hang_injected", "step": step}))
+            threading.Event().wait()  # a live process that never finishes its step
         if f.crash_in_checkpoint or f.crash_in_eval or f.crash_at_step != step \
                 or f.crash_rank != self.world_rank:
             return
@@ -313,11 +347,14 @@ def train_worker(config: dict[str, Any]) -> None:
     cfg = config_from_dict(config["config"])
     if not cfg.scaling.use_gpu:
         torch.set_num_threads(cfg.scaling.torch_threads)
+    _make_nccl_dump_folder()
+    watchdog = StepWatchdog(cfg.scaling.collective_timeout_s, cfg.scaling.slow_step_factor)
     env = RayWorkerEnv(cfg.fault, cfg.data.record_ids, config["runlog"], config["block_table"],
-                       tuple(config["extra_columns"]), config.get("eval_table"),
+                       watchdog, tuple(config["extra_columns"]), config.get("eval_table"),
                        config.get("provenance"), startup)
     if ray.get(config["runlog"].progress.remote())["fatal"]:
         return  # an earlier attempt found what stops this run (see below)
+    watchdog.start(env.on_verdict)
     try:
         train_loop(cfg, env, config.get("model_fn"), config.get("loss_fn"))
     except (ModelTooLargeError, DataError) as exc:
@@ -332,3 +369,13 @@ def train_worker(config: dict[str, Any]) -> None:
         # The run is over and the RunLog holds the reason, which the driver reports as the
         # failure. Raising would only make Ray restart the group to fail the same way again
         # (forever with scaling.max_failures=-1). No final checkpoint is saved.
+    finally:
+        watchdog.stop()
+
+
+def _make_nccl_dump_folder() -> None:
+    """NCCL's flight recorder writes its dump to TORCH_NCCL_DEBUG_INFO_TEMP_FILE + rank (set by the
+    driver on GPU runs, api.nccl_env) but does not create the folder."""
+    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if prefix:
+        os.makedirs(os.path.dirname(prefix), exist_ok=True)

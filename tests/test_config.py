@@ -44,6 +44,13 @@ def test_dotted_overrides_typed():
     ("train.precision=fp8", "train.precision"),
     ("train.precision=fp16", "train.precision=fp16"),
     ("optim.name=sgd", "optim.name"),
+    ("scaling.slow_step_factor=1", "scaling.slow_step_factor"),
+    ("fault.hang_at_step=0", "fault.hang_at_step"),
+    ("fault.hang_rank=2", "fault.hang_rank"),
+    ("fault.slow_rank=5", "fault.slow_rank"),
+    ("fault.slow_step_s=-1", "fault.slow_step_s"),
+    ("fault.slow_rank=1", "fault.slow_rank"),  # without a sleep
+    ("fault.slow_step_s=0.5", "fault.slow_rank"),  # without a rank
 ])
 def test_bad_values_name_the_key(override, culprit):
     with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):

@@ -1,0 +1,163 @@
+"""Hangs and stragglers on a real local Ray cluster: a rank stuck in a live process, a frozen
+worker (SIGSTOP), a rank slowed on purpose. Each hang fails its attempt within
+scaling.collective_timeout_s plus a margin, and the run ends as one never interrupted does."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from test_train_ray import assert_same_training, metrics, run
+
+from elastic_train.stragglers import STRAGGLER_RATIO
+
+pytestmark = pytest.mark.ray
+
+TIMEOUT_S = 30  # scaling.collective_timeout_s of the hung runs: small, yet far above a tiny step
+# Ray's own shutdown of a failed group with a frozen worker in it: it waits for every worker to
+# leave the process group (TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, 30 s), then 5 s more, then kills
+RAY_SHUTDOWN_S = 35
+MARGIN_S = 30  # from the timeout to the decision to restart: a few seconds, more under load
+RESTART_S = 150  # starting the next worker group: ~15 s idle, up to 120 s seen on a loaded 2 cores
+SLOW_TEST_S = 1200  # the reference run, a hung attempt and a restart: each minutes when loaded
+LONG = ["train.max_steps=24", "scaling.max_failures=1"]
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def first_step_begin(result, attempt: int) -> float:
+    """When `attempt` began its first step (wall time)."""
+    rec = min((r for r in metrics(result) if r["attempt"] == attempt), key=lambda r: r["step"])
+    return rec["time"] - rec["step_time_s"]
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, small_dataset, tmp_path_factory):
+    """2 workers, 24 steps, never interrupted."""
+    return run(tmp_path_factory.mktemp("ref"), small_dataset, "ref", *LONG)
+
+
+@pytest.mark.timeout(SLOW_TEST_S)
+def test_a_rank_stuck_in_its_step_fails_the_attempt_within_the_timeout(reference, small_dataset,
+                                                                      tmp_path):
+    """Rank 1 stuck at the end of step 8, a checkpoint step: rank 0 waits for it in Ray's
+    checkpoint barrier (ray.train.report), which has no timeout, and rank 1's process answers Ray's
+    health checks: only the step watchdog ends this one. (Stuck at another step, rank 0's next
+    all-reduce times out about as soon, and either failure restarts the group.)"""
+    result = run(tmp_path, small_dataset, "hang", *LONG, f"scaling.collective_timeout_s={TIMEOUT_S}",
+                 "fault.hang_at_step=8", "fault.hang_rank=1")
+    s = result.summary
+    assert s["status"] == "finished" and s["restarts"] == 1 and s["world_sizes"] == [2, 2]
+    found = events(Path(result.run_dir))
+    hang = next(e for e in found if e["event"] == "hang_injected")
+    assert (hang["rank"], hang["step"]) == (1, 8)
+    timeout = next(e for e in found if e["event"] == "step_timeout")
+    assert (timeout["rank"], timeout["step"], timeout["pid"]) == (1, 8, hang["pid"])
+    # the watchdog said so well before giving up on the step
+    slow = [e for e in found if e["event"] == "slow_step" and (e["rank"], e["step"]) == (1, 8)]
+    assert len(slow) == 1 and slow[0]["time"] < timeout["time"]
+    assert TIMEOUT_S <= timeout["elapsed_s"] < TIMEOUT_S + 5
+    assert timeout["time"] - hang["time"] < TIMEOUT_S + MARGIN_S
+    detected_s = timeout["time"] - hang["time"]
+    recovered_s = first_step_begin(result, 1) - hang["time"]
+    print(f"\nhang at step 8: step_timeout after {detected_s:.1f} s, next attempt's first step "
+          f"after {recovered_s:.1f} s (collective_timeout_s={TIMEOUT_S})")
+    assert recovered_s < TIMEOUT_S + MARGIN_S + RESTART_S
+    assert_same_training(result, reference)
+
+
+class Freezer:
+    """Watches a running fit's files: SIGSTOPs rank 1 of attempt 0 once the run logged `step`,
+    then watches that process until Ray ends it."""
+
+    def __init__(self, run_dir: Path, step: int) -> None:
+        self.run_dir, self.step = run_dir, step
+        self.process: psutil.Process | None = None
+        self.stopped_at: float | None = None
+        self.ended_at: float | None = None  # when the frozen process was gone
+        self.done = threading.Event()
+
+    def watch(self) -> None:
+        self._freeze()
+        while self.process is not None and not self.done.wait(0.1):
+            if not self._alive():
+                self.ended_at = time.time()
+                return
+
+    def _alive(self) -> bool:
+        try:
+            return self.process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # gone (psutil also checks that the pid was not reused)
+            return False
+
+    def _freeze(self) -> None:
+        while not self.done.wait(0.1):
+            start = [e for e in events(self.run_dir) if e["event"] == "start"
+                     and e["attempt"] == 0 and e["rank"] == 1]
+            path = self.run_dir / "metrics.jsonl"
+            steps = [json.loads(line)["step"] for line in path.read_text().splitlines()
+                     if line.endswith("}")] if path.is_file() else []
+            if start and steps and max(steps) >= self.step:
+                self.process = psutil.Process(start[0]["pid"])
+                self.stopped_at = time.time()
+                self.process.send_signal(signal.SIGSTOP)
+                return
+
+    def release(self) -> bool:
+        """Stop watching; True if the frozen process was still there (then it is killed)."""
+        self.done.set()
+        if self.process is None or not self._alive():
+            return False
+        self.process.send_signal(signal.SIGCONT)
+        self.process.kill()
+        return True
+
+
+@pytest.mark.timeout(SLOW_TEST_S)
+def test_a_frozen_worker_fails_the_attempt_within_the_timeout(reference, small_dataset, tmp_path):
+    """Rank 1 SIGSTOPped at step 8 or a little later (a slowed rank 1 gives the test time)."""
+    freezer = Freezer(tmp_path / "frozen", step=8)
+    watcher = threading.Thread(target=freezer.watch, daemon=True)
+    watcher.start()
+    try:
+        result = run(tmp_path, small_dataset, "frozen", *LONG,
+                     f"scaling.collective_timeout_s={TIMEOUT_S}", "fault.slow_rank=1",
+                     "fault.slow_step_s=0.3")
+    finally:
+        leaked = freezer.release()
+        watcher.join()
+    assert freezer.stopped_at is not None, "the run ended before the test could freeze rank 1"
+    s = result.summary
+    assert s["status"] == "finished" and s["restarts"] == 1 and s["world_sizes"] == [2, 2]
+    assert not leaked, "Ray left the frozen worker process behind"
+    ended_s = freezer.ended_at - freezer.stopped_at
+    recovered_s = first_step_begin(result, 1) - freezer.stopped_at
+    print(f"\nSIGSTOP of rank 1: the frozen process ended after {ended_s:.1f} s, the next "
+          f"attempt's first step after {recovered_s:.1f} s (collective_timeout_s={TIMEOUT_S}; "
+          "455 s before)")
+    assert ended_s < TIMEOUT_S + MARGIN_S + RAY_SHUTDOWN_S
+    assert recovered_s < TIMEOUT_S + MARGIN_S + RAY_SHUTDOWN_S + RESTART_S
+    assert_same_training(result, reference)
+
+
+def test_a_slowed_rank_is_named_the_slowest(ray_cluster, small_dataset, tmp_path):
+    """Rank 1 sleeps 1 s in every step, far more than a tiny step's work even on a busy machine."""
+    result = run(tmp_path, small_dataset, "slow", "train.max_steps=12", "fault.slow_rank=1",
+                 "fault.slow_step_s=1.0")
+    s = result.summary
+    assert s["slowest_rank"] == 1 and s["slowest_ratio"] > STRAGGLER_RATIO, s["per_rank"]
+    ranks = {r["rank"]: r for r in s["per_rank"]}
+    assert ranks[1]["busy"]["p50_s"] >= 1.0 and ranks[1]["steps"] == 11  # none on the first step
+    assert s["slowest_node"] == ranks[1]["node"] is not None
+    rec = metrics(result)[-1]
+    assert len(rec["rank_busy_s"]) == len(rec["rank_data_wait_s"]) == 2
