@@ -180,6 +180,8 @@ def ray_console(verbose: bool) -> Iterator[RayLog]:
     for logger in loggers:
         if not verbose:
             for handler in filter(_is_console, logger.handlers):
+                if any(handler is h for h, _ in saved):
+                    continue  # one handler on both loggers (after a ray.init): its level once
                 saved.append((handler, handler.level))
                 handler.setLevel(max(handler.level, logging.WARNING))
         logger.addHandler(log)
