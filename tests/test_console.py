@@ -7,6 +7,7 @@ local Ray cluster, as a user's run does) and read what it printed.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -88,16 +89,27 @@ def test_ray_log_holds_lines_until_opened_then_appends(tmp_path):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("verbose", [False, True])
-def test_ray_console_quiets_ray_loggers_on_screen_only_and_restores_them(verbose, capsys):
+def test_ray_console_quiets_ray_loggers_on_screen_only_and_restores_them(verbose):
     import ray  # noqa: F401 (installs the handlers of the `ray` logger)
 
     ray_logger = logging.getLogger("ray")
     levels = [h.level for h in ray_logger.handlers]
-    with ray_console(verbose) as log:
-        ray_logger.info("an INFO line of Ray's")
-        ray_logger.warning("a WARNING of Ray's")
-        held = list(log._pending)
-    on_screen = capsys.readouterr().err
+    # The screen is what Ray's console handlers write to; which stream they hold depends on when
+    # `ray` was first imported (maybe under an earlier test's capture), so they write here instead.
+    screen = io.StringIO()
+    consoles = [h for h in ray_logger.handlers if isinstance(h, logging.StreamHandler)
+                and getattr(h, "stream", None) is not None and not isinstance(h, logging.FileHandler)]
+    assert consoles, "Ray's logger has no console handler to quiet"
+    streams = [h.setStream(screen) for h in consoles]
+    try:
+        with ray_console(verbose) as log:
+            ray_logger.info("an INFO line of Ray's")
+            ray_logger.warning("a WARNING of Ray's")
+            held = list(log._pending)
+    finally:
+        for handler, stream in zip(consoles, streams, strict=True):
+            handler.setStream(stream)
+    on_screen = screen.getvalue()
     assert ("an INFO line of Ray's" in on_screen) is verbose
     assert "a WARNING of Ray's" in on_screen
     assert any("INFO" in line and "an INFO line of Ray's" in line for line in held)
