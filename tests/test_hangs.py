@@ -43,7 +43,7 @@ def first_step_begin(result, attempt: int) -> float:
 
 @pytest.fixture(scope="module")
 def reference(ray_cluster, small_dataset, tmp_path_factory):
-    """2 workers, 24 steps, never interrupted."""
+    """2 workers, never interrupted (the epoch ends before max_steps, at step 22)."""
     return run(tmp_path_factory.mktemp("ref"), small_dataset, "ref", *LONG)
 
 
@@ -67,11 +67,11 @@ def test_a_rank_stuck_in_its_step_fails_the_attempt_within_the_timeout(reference
     slow = [e for e in found if e["event"] == "slow_step" and (e["rank"], e["step"]) == (1, 8)]
     assert len(slow) == 1 and slow[0]["time"] < timeout["time"]
     assert TIMEOUT_S <= timeout["elapsed_s"] < TIMEOUT_S + 5
-    assert timeout["time"] - hang["time"] < TIMEOUT_S + MARGIN_S
     detected_s = timeout["time"] - hang["time"]
     recovered_s = first_step_begin(result, 1) - hang["time"]
     print(f"\nhang at step 8: step_timeout after {detected_s:.1f} s, next attempt's first step "
           f"after {recovered_s:.1f} s (collective_timeout_s={TIMEOUT_S})")
+    assert detected_s < TIMEOUT_S + MARGIN_S
     assert recovered_s < TIMEOUT_S + MARGIN_S + RESTART_S
     assert_same_training(result, reference)
 
