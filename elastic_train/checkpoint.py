@@ -1,7 +1,8 @@
 """Checkpoints: everything needed to continue exactly, written so that only complete ones count.
 
-A checkpoint folder holds `model.pt`, `optimizer.pt`, `extra.pt` (grad scaler, RNG states) and
-`state.json` (counters, data position, world size, resolved config, model signature), then
+A checkpoint folder holds `model.pt`, `optimizer.pt`, `extra.pt` (grad scaler, RNG states),
+`comm_hook.pt` with a stateful communication hook (every rank's PowerSGD state, see commhooks.py)
+and `state.json` (counters, data position, world size, resolved config, model signature), then
 `manifest.json` last, naming every file and its size. A folder without a valid manifest is
 incomplete and never loaded. Ray Train registers a checkpoint only after every file is uploaded and
 every rank has reported, so a crash mid-write leaves the previous checkpoint as the latest.
@@ -71,10 +72,15 @@ def snapshot(
     train_state: dict[str, Any],
     config: dict[str, Any],
     world_size: int,
+    comm_hook: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """An in-memory CPU copy of everything a checkpoint holds (the only part that blocks)."""
+    """An in-memory CPU copy of everything a checkpoint holds (the only part that blocks).
+
+    `comm_hook`: {"kind", "world_size", "ranks": [each rank's state, in rank order]}, already on
+    the CPU, or None for a hook without state."""
     return {
         "model": _to_cpu(model.state_dict()),
+        "comm_hook": comm_hook,
         "optimizer": _to_cpu(optimizer.state_dict()),
         "extra": {
             "scaler": scaler.state_dict() if scaler is not None else None,
@@ -95,7 +101,9 @@ def write_checkpoint(snap: dict[str, Any], directory: str | Path, crash_midway: 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     files = {}
-    for name in ("model", "optimizer", "extra"):
+    for name in ("model", "optimizer", "extra", "comm_hook"):
+        if snap.get(name) is None:  # comm_hook: only a stateful hook has one
+            continue
         path = directory / f"{name}.pt"
         torch.save(snap[name], path)
         files[path.name] = path.stat().st_size
@@ -166,3 +174,17 @@ def load_checkpoint(
     if restore_rng:
         set_rng_state(extra["rng"])
     return state["train_state"]
+
+
+def load_comm_hook_state(directory: str | Path, kind: str, world_rank: int,
+                         world_size: int) -> dict[str, Any] | None:
+    """This rank's state of communication hook `kind`, saved at the same world size; None when
+    the checkpoint has none that fits (another hook, another world size). The file holds every
+    rank's state: memory-mapped, so a rank reads its own part only."""
+    path = Path(directory) / "comm_hook.pt"
+    if not path.is_file():
+        return None
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if saved["kind"] != kind or saved["world_size"] != world_size:
+        return None
+    return saved["ranks"][world_rank]
