@@ -18,30 +18,47 @@ so every process of a run has the constructor's layout, a function of the model 
 one walk of the autograd graph per step.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks a hook's annotations as objects.
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.config import TrainConfig
 
-HALF_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 # What a PowerSGDState holds beyond its hyperparameters (which the config gives again).
 _POWERSGD_TENSOR_DICTS = ("error_dict", "p_memory_dict", "q_memory_dict")
 _POWERSGD_COUNTERS = ("iter", "start_powerSGD_iter", "total_numel_before_compression",
                       "total_numel_after_compression", "next_stats_report")
 
 
+def bf16_hook(process_group: dist.ProcessGroup | None,
+              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's `bf16_compress_hook` (cast the bucket to bfloat16, all-reduce the mean, cast back
+    in place), under another name: DDP refuses a hook of that name in a torch built without CUDA
+    (2.13 `_check_comm_hook`), although gloo all-reduces bfloat16 on the CPU."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        return buffer.copy_(fut.value()[0])
+
+    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+
+HALF_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": bf16_hook}
+
+
 def ddp_kwargs(t: TrainConfig) -> dict[str, Any]:
     """DistributedDataParallel's keyword arguments for this config."""
     kwargs: dict[str, Any] = {"bucket_cap_mb": t.ddp_bucket_mb,
-                              "gradient_as_bucket_view": t.gradient_as_bucket_view,
-                              "static_graph": t.static_graph}
+                              "gradient_as_bucket_view": t.gradient_as_bucket_view}
     if t.grad_compression == "powersgd":
         kwargs["find_unused_parameters"] = True  # one bucket layout for good (module docstring)
     return kwargs
@@ -57,8 +74,31 @@ def register_comm_hook(model: torch.nn.Module, t: TrainConfig) -> PowerSGDState 
         model.register_comm_hook(None, HALF_HOOKS[t.grad_compression])
         return None
     state = new_powersgd_state(t)
-    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    hook = powerSGD_hook.powerSGD_hook
+    if dist.get_backend() == "gloo":
+        hook = synchronous(hook)
+    model.register_comm_hook(state, hook)
     return state
+
+
+def synchronous(hook: Callable) -> Callable:
+    """`hook`, returning only once all of its collectives are done (gloo).
+
+    PowerSGD issues a bucket's second and third all-reduces from the callbacks of its first. NCCL
+    completes a future as its work is queued, so those run at once, in order, on the backward
+    thread. Gloo completes it when the work is done, on one of its own threads: there they can
+    come before or after the all-reduce that DDP issues on the backward thread (the map of used
+    parameters, with find_unused_parameters), in another order on each rank, and gloo pairs
+    collectives by order ("Received data size doesn't match expected size", seen here within a
+    few steps). Waiting here orders them; on the CPU it costs the overlap of the hook's
+    communication with the rest of the backward."""
+
+    def hook_now(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        future = hook(state, bucket)
+        future.wait()
+        return future
+
+    return hook_now
 
 
 def new_powersgd_state(t: TrainConfig) -> PowerSGDState:

@@ -114,10 +114,9 @@ class TrainConfig:
     powersgd_warmup_steps: int = 20
     ddp_bucket_mb: float = 25.0  # ddp only: gradient bucket size; one all-reduce per bucket
     # ddp only: gradients are views into DDP's buckets (saves one gradient-sized copy: 4 bytes/param)
+    # (DDP's static_graph is not offered: torch 2.13 fails an internal assert when the first step
+    # accumulates under no_sync, which any step with more micro-batches than ranks does)
     gradient_as_bucket_view: bool = False
-    # ddp only: the model uses the same parameters in every step (DDP skips its per-step graph
-    # bookkeeping); not with powersgd, whose saved state needs DDP's first bucket layout
-    static_graph: bool = False
 
 
 @dataclass
@@ -406,10 +405,6 @@ def _validate_reduce(t: TrainConfig) -> None:
     _require(t.powersgd_warmup_steps >= 2,
              f"train.powersgd_warmup_steps must be >= 2, got {t.powersgd_warmup_steps}")
     _at_least("train.ddp_bucket_mb", t.ddp_bucket_mb, 0, strict=True)
-    _require(not (t.static_graph and t.grad_compression == "powersgd"),
-             "train.static_graph=true cannot go with train.grad_compression=powersgd: a static "
-             "graph makes DDP rebuild its buckets after the first step, and PowerSGD's saved "
-             "per-bucket state would then not fit a resumed run's buckets")
 
 
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
