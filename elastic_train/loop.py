@@ -151,6 +151,17 @@ class ExactGradSum:
     float64: a sum of fp32 numbers in float64 is exact, or off by 2**-53 relative, far below the
     2**-24 of the final cast back to fp32, so the gradient comes out the same to the bit whatever the
     order. The model is not wrapped in DDP on this path; there is one all-reduce per step.
+
+    Exact, precisely, while one parameter's K summands span fewer than about 28 - log2(K) binary
+    orders of magnitude (24 significant bits each, 53 in float64). Beyond that float64 rounds, and
+    the fp32 result then depends on the order when the exact sum lies within that rounding of an
+    fp32 rounding boundary: roughly K * 2**-28 per rounded element. We measured how often float64
+    rounds at all (benchmarks/reduce.py, BENCHMARKS.md) and keep float64 rather than an int64
+    fixed-point sum, which is order-independent by construction but needs its shared exponent (a
+    MAX all-reduce over every micro-batch's gradient) before the first micro-batch is added: that
+    means holding every micro-batch's gradient, or a second backward, or redoing a step whose
+    gradient outgrew a guessed exponent; and a fixed exponent per tensor drops low bits of its
+    small elements that fp32 keeps, so it would no longer match one process's fp32 gradient.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
