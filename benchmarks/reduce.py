@@ -188,7 +188,10 @@ def main() -> None:
     parser.add_argument("--powersgd-rank", type=int, default=4)
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
-    results = {mode: run_mode(mode, args) for mode in args.modes.split(",")}
+    results = {}
+    for mode in args.modes.split(","):
+        results[mode] = run_mode(mode, args)
+        print(f"{mode}: {results[mode]['step_s']:.2f} s a step", file=sys.stderr, flush=True)
     floor = results.get("compute", {}).get("step_s")
     reference = results.get("ddp", {}).get("losses")
     print("| mode | step s | exposed comm s | all-reduced MB/step/rank | loss at last step | vs ddp |")

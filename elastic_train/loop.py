@@ -160,8 +160,8 @@ class ExactGradSum:
     fixed-point sum, which is order-independent by construction but needs its shared exponent (a
     MAX all-reduce over every micro-batch's gradient) before the first micro-batch is added: that
     means holding every micro-batch's gradient, or a second backward, or redoing a step whose
-    gradient outgrew a guessed exponent; and a fixed exponent per tensor drops low bits of its
-    small elements that fp32 keeps, so it would no longer match one process's fp32 gradient.
+    gradient outgrew a guessed exponent; and one exponent per tensor drops the low bits of its
+    small elements, which the fp32 gradient keeps.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
