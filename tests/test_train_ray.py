@@ -70,8 +70,8 @@ def assert_same_training(result, reference) -> None:
 
     With train.grad_reduce=exact (what the default, auto, chooses on CPU workers) a step's
     gradient is the same to the bit at any world size, so a resized or restarted run is held to
-    the bit, not to a tolerance: the loss
-    differs at most by the float64 summation of the logged loss, the weights not at all.
+    the bit, not to a tolerance: the loss differs at most by the float64 summation of the logged
+    loss, the weights not at all.
     """
     assert effective_ids(result) == effective_ids(reference)
     ref, got = losses(reference), losses(result)
