@@ -35,6 +35,7 @@ from elastic_train.checkpoint import MANIFEST, model_signature, signature_mismat
 from elastic_train.checks import (
     IDENTITY_FILE,
     check_gpu,
+    check_reduce,
     check_sample_ids,
     check_storage,
     data_identity,
@@ -145,7 +146,8 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     if tables.eval_info is not None:
         check_model_fits_data(cfg, tables.eval_info, model)
     check_storage(cfg)
-    check_resumable(cfg, model_signature(model), info)
+    saved = check_resumable(cfg, model_signature(model), info)
+    check_reduce(cfg, saved)
     return info
 
 
@@ -191,15 +193,17 @@ def extra_columns(info: DatasetInfo) -> tuple[str, ...]:
     return tuple(f.name for f in schema if f.name not in skip and numeric(f.type))
 
 
-def check_resumable(cfg: Config, ours: dict[str, list[int]], info: DatasetInfo | None = None) -> None:
+def check_resumable(cfg: Config, ours: dict[str, list[int]],
+                    info: DatasetInfo | None = None) -> dict[str, Any] | None:
     """If the run folder holds checkpoints, the newest complete one must fit the configured model
     (signature `ours`) and, given `info`, have been trained on the same data identity (path, seed,
     partition count, shards; see checks.py) unless data.on_change=keep_position: refused here,
     before Ray starts, with the run folder left as it was. (The worker checks the checkpoint Ray
-    hands it again, in case one appears meanwhile.)"""
+    hands it again, in case one appears meanwhile.) Returns that checkpoint's state.json (None
+    without one)."""
     fs, folder, _ = split_uri(run_uri(cfg))
     if fs.get_file_info(folder).type != pafs.FileType.Directory:
-        return
+        return None
     names = sorted((f.base_name for f in fs.get_file_info(pafs.FileSelector(folder))
                     if f.type == pafs.FileType.Directory and f.base_name.startswith("checkpoint_")),
                    reverse=True)
@@ -220,7 +224,8 @@ def check_resumable(cfg: Config, ours: dict[str, list[int]], info: DatasetInfo |
             _check_same_data(cfg, info, state, fs, folder, name)
             if isinstance(state.get("provenance"), dict):
                 _check_provenance(cfg, info, state["provenance"], name)
-        return
+        return state
+    return None
 
 
 def _check_provenance(cfg: Config, info: DatasetInfo, saved: dict, name: str) -> None:

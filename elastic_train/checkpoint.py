@@ -3,13 +3,14 @@
 The weights and optimizer state are the same on every rank, so each of W ranks copies and writes
 1/W of them, in parallel (`shard_owners`: whole tensors, balanced by bytes): `model.shardNNN.pt`
 and `optimizer.shardNNN.pt`, then its manifest, `manifest.shardNNN.json`, naming its files and
-sizes. Rank 0 also writes `extra.pt` (grad scaler, RNG states) and `state.json` (counters, data
-position, world size, resolved config, model signature, provenance), and its manifest is
-`manifest.json`, which names the number of shards. A folder is complete when every shard's
-manifest is there with every file it names at its size; an incomplete one is never loaded. Ray
-Train registers a checkpoint only after every rank's files are uploaded and every rank has
-reported, so a crash mid-write leaves the previous checkpoint as the latest. A checkpoint loads at
-any world size (the shards are merged). Format 1 (one `model.pt`, `optimizer.pt`) still loads.
+sizes (and a stateful communication hook's state of that rank, `comm_hook.shardNNN.pt`: PowerSGD's
+error feedback, see commhooks.py). Rank 0 also writes `extra.pt` (grad scaler, RNG states) and
+`state.json` (counters, data position, world size, resolved config, model signature, provenance),
+and its manifest is `manifest.json`, which names the number of shards. A folder is complete when
+every shard's manifest is there with every file it names at its size; an incomplete one is never
+loaded. Ray Train registers a checkpoint only after every rank's files are uploaded and every rank
+has reported, so a crash mid-write leaves the previous checkpoint as the latest. A checkpoint loads
+at any world size (the shards are merged). Format 1 (one `model.pt`, `optimizer.pt`) still loads.
 
 The training loop blocks only for `snapshot` (an in-memory copy of this rank's share on the CPU);
 `write_checkpoint` runs in Ray's background upload thread.
@@ -111,13 +112,15 @@ def snapshot(
     provenance: dict[str, Any] | None = None,
     shard: int = 0,
     shards: int = 1,
+    comm_hook: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """An in-memory CPU copy of this rank's share of a checkpoint (the only part that blocks).
 
     The weights and optimizer state are replicated on every rank, so each rank copies and writes
     1/`shards` of them (`shard_owners`), in parallel; shard 0 also holds the optimizer's param
     groups, the grad scaler, the RNG states and `state.json` (counters, data position, world
-    size, config, model signature and `provenance`: what wrote it)."""
+    size, config, model signature and `provenance`: what wrote it). `comm_hook`: this rank's state
+    of a stateful communication hook, {"kind", "world_size", "state"}, already on the CPU."""
     owners = shard_owners(model, shards)
     names = _parameter_names(model, optimizer)
     optim = optimizer.state_dict()
@@ -129,6 +132,7 @@ def snapshot(
         "shards": shards,
         "model": _to_cpu({k: v for k, v in model.state_dict().items() if owners[k] == shard}),
         "optimizer": _to_cpu(part),
+        "comm_hook": comm_hook,
     }
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the asynchronous copies to pinned memory have landed
@@ -159,8 +163,8 @@ def write_checkpoint(snap: dict[str, Any], directory: str | Path, crash_midway: 
     directory.mkdir(parents=True, exist_ok=True)
     shard = snap.get("shard", 0)
     files = {}
-    for name in ("model", "optimizer", "extra"):
-        if name not in snap:
+    for name in ("model", "optimizer", "extra", "comm_hook"):
+        if snap.get(name) is None:  # comm_hook: only a stateful hook has one
             continue
         path = directory / (f"{name}.pt" if name == "extra" else f"{name}.shard{shard:03d}.pt")
         torch.save(snap[name], path)
@@ -343,3 +347,17 @@ class BestCheckpointWriter:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+
+def load_comm_hook_state(directory: str | Path, kind: str, world_rank: int,
+                         world_size: int) -> dict[str, Any] | None:
+    """This rank's state of communication hook `kind`, saved at the same world size (each rank
+    wrote its own in its shard); None when the checkpoint has none that fits (another hook,
+    another world size)."""
+    path = Path(directory) / f"comm_hook.shard{world_rank:03d}.pt"
+    if not path.is_file():
+        return None
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if saved["kind"] != kind or saved["world_size"] != world_size:
+        return None
+    return saved["state"]

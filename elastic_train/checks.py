@@ -1,4 +1,5 @@
-"""Checks of a run's inputs that need no cluster: sample ids, storage, GPU, data identity.
+"""Checks of a run's inputs that need no cluster: sample ids, storage, GPU, data identity,
+the reduction.
 
 Each raises ConfigError (or ValueError for a data set) with one line naming the key or file.
 
@@ -35,7 +36,13 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from elastic_train.config import Config, ConfigError, num_partitions
+from elastic_train.config import (
+    Config,
+    ConfigError,
+    check_compression,
+    choose_grad_reduce,
+    num_partitions,
+)
 from elastic_train.prepare import DatasetInfo
 
 STORAGE_PROBE_TIMEOUT_S = 30.0
@@ -181,6 +188,15 @@ def check_storage(cfg: Config, timeout_s: float = STORAGE_PROBE_TIMEOUT_S) -> No
                           f"{timeout_s:g} s; is it reachable from here?")
     if outcome[0] is not None:
         raise outcome[0]
+
+
+def check_reduce(cfg: Config, checkpoint_state: dict[str, Any] | None) -> None:
+    """The reduction the workers will choose (`choose_grad_reduce`, with the choice saved in the
+    latest checkpoint's state.json) can honour `train.grad_compression`: with `auto` on CPU
+    workers it resolves to exact, which refuses compression, here before any worker starts."""
+    train_state = (checkpoint_state or {}).get("train_state")
+    saved = train_state.get("grad_reduce") if isinstance(train_state, dict) else None
+    check_compression(cfg.train, choose_grad_reduce(cfg.train, cfg.scaling.use_gpu, saved))
 
 
 def check_gpu(cfg: Config) -> None:

@@ -100,8 +100,26 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     # exact: sum micro-batch gradients and all-reduce them in float64, so a step's gradient is the
     # same to the bit at any world size (8 bytes/param more memory, twice the all-reduce bytes);
-    # ddp: torch DDP (fp32, overlaps the last backward), curves differ by fp32 round-off across sizes
-    grad_reduce: str = "exact"
+    # ddp: torch DDP (fp32, overlaps the last backward), curves differ by fp32 round-off across sizes;
+    # auto: ddp on GPU workers, exact on CPU workers and with `deterministic`. Chosen once, at the
+    # run's first start, and kept in its checkpoints (see `choose_grad_reduce`)
+    grad_reduce: str = "auto"
+    # torch.use_deterministic_algorithms (and CUBLAS_WORKSPACE_CONFIG on GPU): the same result on
+    # every run, at the cost of slower kernels (or an error for an op that has no deterministic
+    # form); makes `auto` choose exact
+    deterministic: bool = False
+    # ddp only: DDP communication hook. fp16 | bf16: all-reduce gradients in half precision (half
+    # the bytes); powersgd: low-rank compression with error feedback (Vogels et al. 2019)
+    grad_compression: str = "none"
+    powersgd_rank: int = 2  # powersgd: rank of each gradient matrix's approximation
+    # powersgd: plain all-reduce for this many steps first (also after a resize); >= 2, and no fewer
+    # than optim.warmup_steps is a good rule (torch's PowerSGD docs)
+    powersgd_warmup_steps: int = 20
+    ddp_bucket_mb: float = 25.0  # ddp only: gradient bucket size; one all-reduce per bucket
+    # ddp only: gradients are views into DDP's buckets (saves one gradient-sized copy: 4 bytes/param)
+    # (DDP's static_graph is not offered: torch 2.13 fails an internal assert when the first step
+    # accumulates under no_sync, which any step with more micro-batches than ranks does)
+    gradient_as_bucket_view: bool = False
 
 
 @dataclass
@@ -363,10 +381,7 @@ def validate(cfg: Config) -> None:
         t.precision in ("fp32", "bf16", "fp16"),
         f"train.precision must be fp32, bf16 or fp16, got {t.precision!r}",
     )
-    _require(
-        t.grad_reduce in ("exact", "ddp"),
-        f"train.grad_reduce must be exact or ddp, got {t.grad_reduce!r}",
-    )
+    _validate_reduce(t)
     _require(
         t.precision != "fp16" or s.use_gpu,
         "train.precision=fp16 needs scaling.use_gpu=true (fp16 autocast and GradScaler are "
@@ -394,6 +409,60 @@ def validate(cfg: Config) -> None:
     )
     _at_least("log.print_every_steps", cfg.log.print_every_steps, 1)
     _at_least("log.peak_flops", cfg.log.peak_flops, 0, strict=True)
+
+
+def _validate_reduce(t: TrainConfig) -> None:
+    _require(t.grad_reduce in ("auto", "exact", "ddp"),
+             f"train.grad_reduce must be auto, exact or ddp, got {t.grad_reduce!r}")
+    _require(t.grad_compression in GRAD_COMPRESSIONS,
+             f"train.grad_compression must be {', '.join(GRAD_COMPRESSIONS[:-1])} or "
+             f"{GRAD_COMPRESSIONS[-1]}, got {t.grad_compression!r}")
+    # What is refused on any device; `auto` on CPU workers is refused by the driver, which knows
+    # the choice saved in the run's checkpoint (checks.check_reduce).
+    check_compression(t, choose_grad_reduce(t, use_gpu=True))
+    _require(t.powersgd_rank >= 1, f"train.powersgd_rank must be >= 1, got {t.powersgd_rank}")
+    # torch's PowerSGDState refuses fewer: DDP rebuilds its buckets after the first step, and the
+    # error feedback is kept per bucket
+    _require(t.powersgd_warmup_steps >= 2,
+             f"train.powersgd_warmup_steps must be >= 2, got {t.powersgd_warmup_steps}")
+    _at_least("train.ddp_bucket_mb", t.ddp_bucket_mb, 0, strict=True)
+
+
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+
+
+@dataclass(frozen=True)
+class ReduceChoice:
+    """Which gradient reduction a run uses (`exact` or `ddp`), and why (for events and summary)."""
+
+    chosen: str
+    reason: str
+
+
+def choose_grad_reduce(t: TrainConfig, use_gpu: bool, saved: str | None = None) -> ReduceChoice:
+    """Resolve `train.grad_reduce`. An explicit exact or ddp is used as set; `auto` is exact with
+    `train.deterministic`, else the choice `saved` in the run's checkpoint (made at its first
+    start: a resume on other nodes or devices keeps the numerics it began with), else ddp on GPU
+    workers (DDP overlaps communication with backward and needs no float64 buffer) and exact on CPU
+    workers (small models, where the bitwise guarantee costs little)."""
+    if t.grad_reduce != "auto":
+        return ReduceChoice(t.grad_reduce, f"train.grad_reduce={t.grad_reduce}")
+    if t.deterministic:
+        return ReduceChoice("exact", "auto: train.deterministic=true")
+    if saved in ("exact", "ddp"):
+        return ReduceChoice(saved, "auto: kept from the run's checkpoint (chosen at its first start)")
+    if use_gpu:
+        return ReduceChoice("ddp", "auto: GPU workers")
+    return ReduceChoice("exact", "auto: CPU workers")
+
+
+def check_compression(t: TrainConfig, choice: ReduceChoice) -> None:
+    """A communication hook needs the ddp reduction: refuse it with exact, saying why exact ran."""
+    _require(choice.chosen == "ddp" or t.grad_compression == "none",
+             f"train.grad_compression={t.grad_compression} needs train.grad_reduce=ddp, but the "
+             f"run reduces exactly ({choice.reason}): exact sums float64 gradients so that a step "
+             "is the same to the bit at any world size, which compression would break. Set "
+             "train.grad_reduce=ddp, or train.grad_compression=none")
 
 
 def _validate_scaling(s: ScalingConfig) -> None:

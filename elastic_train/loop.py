@@ -10,6 +10,7 @@ without Ray. The loop does not know which model it trains, nor its loss: both co
 from __future__ import annotations
 
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -22,8 +23,28 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.blocks import BlockReader, BlockTable, iter_rank_steps, make_reader
-from elastic_train.checkpoint import BestCheckpointWriter, load_checkpoint, snapshot
-from elastic_train.config import Config, num_partitions
+from elastic_train.checkpoint import (
+    BestCheckpointWriter,
+    load_checkpoint,
+    load_comm_hook_state,
+    read_state,
+    snapshot,
+)
+from elastic_train.commhooks import (
+    PowerSGDState,
+    ddp_kwargs,
+    forget_powersgd_memory,
+    load_powersgd_state,
+    powersgd_state_dict,
+    register_comm_hook,
+)
+from elastic_train.config import (
+    Config,
+    ReduceChoice,
+    check_compression,
+    choose_grad_reduce,
+    num_partitions,
+)
 from elastic_train.data import MicroBatch, Prefetcher
 from elastic_train.losses import LossFn, LossModule
 from elastic_train.model import (
@@ -60,6 +81,7 @@ class TrainState:
     eval_step: int = 0  # the step after which the last evaluation ran (0: none yet)
     best_eval_loss: float | None = None  # the lowest eval loss so far, and its step
     best_step: int = 0
+    grad_reduce: str = ""  # the reduction the run chose at its first start (config.choose_grad_reduce)
     # where each partition is in `epoch`: {partition: [window, micro-batches taken]} (blocks.py)
     cursors: dict[str, list[int]] = field(default_factory=dict)
 
@@ -72,19 +94,21 @@ class ModelTooLargeError(RuntimeError):
     """The model cannot fit the device: the run stops at once (a restart would not help)."""
 
 
-def check_fits_device(model: torch.nn.Module, cfg: Config, device: torch.device) -> None:
+def check_fits_device(model: torch.nn.Module, cfg: Config, device: torch.device,
+                      grad_reduce: str) -> None:
     """On a GPU, refuse a model whose weights, gradients, optimizer state and reduction buffers
-    alone exceed the device's memory (README: "How large a model fits")."""
+    (of `grad_reduce`, the resolved reduction) alone exceed the device's memory (README: "How
+    large a model fits")."""
     if device.type != "cuda":
         return
-    per_param = training_bytes_per_param(cfg.optim.name, cfg.train.grad_reduce)
+    per_param = training_bytes_per_param(cfg.optim.name, grad_reduce, cfg.train.grad_compression)
     needed = count_parameters(model) * per_param
     total = torch.cuda.get_device_properties(device).total_memory
     if needed > total:
         raise ModelTooLargeError(
             f"model of {count_parameters(model) / 1e9:.2f}B parameters needs {needed / 2**30:.1f} GiB "
             f"({per_param:.0f} bytes per parameter with optim.name={cfg.optim.name} and "
-            f"train.grad_reduce={cfg.train.grad_reduce}) before activations; the GPU has "
+            f"train.grad_reduce={grad_reduce}) before activations; the GPU has "
             f"{total / 2**30:.1f} GiB")
 
 
@@ -153,6 +177,17 @@ class ExactGradSum:
     float64: a sum of fp32 numbers in float64 is exact, or off by 2**-53 relative, far below the
     2**-24 of the final cast back to fp32, so the gradient comes out the same to the bit whatever the
     order. The model is not wrapped in DDP on this path; there is one all-reduce per step.
+
+    Exact, precisely, while one parameter's K summands span fewer than about 28 - log2(K) binary
+    orders of magnitude (24 significant bits each, 53 in float64). Beyond that float64 rounds, and
+    the fp32 result then depends on the order when the exact sum lies within that rounding of an
+    fp32 rounding boundary: roughly K * 2**-28 per rounded element. We measured how often float64
+    rounds at all (benchmarks/reduce.py, BENCHMARKS.md) and keep float64 rather than an int64
+    fixed-point sum, which is order-independent by construction but needs its shared exponent (a
+    MAX all-reduce over every micro-batch's gradient) before the first micro-batch is added: that
+    means holding every micro-batch's gradient, or a second backward, or redoing a step whose
+    gradient outgrew a guessed exponent; and one exponent per tensor drops the low bits of its
+    small elements, which the fp32 gradient keeps.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
@@ -374,7 +409,8 @@ class WorkerEnv(Protocol):
     provenance: dict[str, Any]  # what checkpoints record of what wrote them (provenance.py)
     startup: dict[str, float]  # when this attempt's start-up phases ended (time.time())
 
-    def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module: ...
+    def prepare_model(self, model: torch.nn.Module,
+                      ddp_kwargs: dict[str, Any] | None) -> torch.nn.Module: ...
     def latest_checkpoint_dir(self) -> str | None: ...
     def save_checkpoint(self, snap: dict, step: int, final: bool) -> None: ...
     def checkpoint_requested(self) -> bool: ...
@@ -404,27 +440,40 @@ class Training:
     setup: StepSetup
     state: TrainState
     cursors: dict[int, tuple[int, int]] = field(default_factory=dict)  # this rank's, after the last step
+    powersgd: PowerSGDState | None = None  # train.grad_compression=powersgd in DDP: this rank's state
 
 
 def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                    loss_fn: LossFn | None = None) -> Training:
-    """Build the model, move it to the device, then build the optimizer and restore the latest
-    checkpoint. The order matters on a GPU: `Optimizer.load_state_dict` puts the state on the
-    device of the parameters it finds, so it must find them on the GPU already."""
+    """Resolve the reduction, build the model, move it to the device, then build the optimizer
+    and restore the latest checkpoint. The order matters: the reduction decides whether the model
+    goes into DDP, and a resumed run keeps the one its checkpoint names; on a GPU,
+    `Optimizer.load_state_dict` puts the state on the device of the parameters it finds, so it
+    must find them on the GPU already."""
     torch.manual_seed(cfg.train.seed)
+    ckpt_dir = env.latest_checkpoint_dir()
+    choice = resolve_reduce(cfg, env, ckpt_dir)
+    set_deterministic(cfg.train.deterministic, env.device)
     raw_model = build_model(cfg.model, cfg.data.max_seq_len, model_fn)
     env.startup["model_built"] = time.time()
-    exact = cfg.train.grad_reduce == "exact"
-    check_fits_device(raw_model, cfg, env.device)
+    exact = choice.chosen == "exact"
+    check_fits_device(raw_model, cfg, env.device, choice.chosen)
     loss_module = LossModule(raw_model, loss_fn)
-    model = env.prepare_model(loss_module, ddp=not exact)
+    model = env.prepare_model(loss_module, None if exact else ddp_kwargs(cfg.train))
+    powersgd = register_comm_hook(model, cfg.train)
+    if env.world_rank == 0:
+        compression = cfg.train.grad_compression if isinstance(model, DistributedDataParallel) else "none"
+        env.log_event({"event": "grad_reduce", "chosen": choice.chosen, "reason": choice.reason,
+                       "grad_compression": compression})
     optimizer = build_optimizer(raw_model, cfg.optim, cfg.scaling.use_gpu)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16) if cfg.train.precision == "fp16" else None
     state = TrainState()
-    ckpt_dir = env.latest_checkpoint_dir()
     if ckpt_dir is not None:
         state = TrainState(**load_checkpoint(ckpt_dir, raw_model, optimizer, scaler))
         check_state_device(optimizer, env.device)
+    state.grad_reduce = choice.chosen
+    if powersgd is not None:
+        restore_powersgd(powersgd, env, ckpt_dir, state.step)
     env.startup["restored"] = time.time()
     reducer = None
     if exact:
@@ -437,7 +486,41 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
         grad_clip=cfg.train.grad_clip, seed=cfg.train.seed, scaler=scaler, exact=reducer,
         count_targets=loss_fn is not None, pad_id=cfg.data.pad_id or 0,
         extra_columns=env.extra_columns)
-    return Training(model, raw_model, loss_module, optimizer, setup, state)
+    return Training(model, raw_model, loss_module, optimizer, setup, state, powersgd=powersgd)
+
+
+def resolve_reduce(cfg: Config, env: WorkerEnv, ckpt_dir: str | None) -> ReduceChoice:
+    """`train.grad_reduce` for this attempt: the choice the checkpoint names if the run made one
+    (config.choose_grad_reduce), and a compression setting it cannot honour refused (ConfigError;
+    the driver refuses it before any worker starts when it can)."""
+    saved = read_state(ckpt_dir)["train_state"].get("grad_reduce") if ckpt_dir else None
+    choice = choose_grad_reduce(cfg.train, env.device.type == "cuda", saved)
+    check_compression(cfg.train, choice)
+    return choice
+
+
+def set_deterministic(on: bool, device: torch.device) -> None:
+    """train.deterministic: deterministic kernels only (torch raises for an op without one).
+    cuBLAS needs a fixed workspace for that, set before its first use in the process."""
+    if on and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+
+
+def restore_powersgd(powersgd: PowerSGDState, env: WorkerEnv, ckpt_dir: str | None,
+                     step: int) -> None:
+    """At the world size of the checkpoint, each rank takes back its own PowerSGD state (error
+    feedback, warm-start Q, step counter): the resume computes what an uninterrupted run does.
+    At another (a resize) the saved states do not fit; the fresh state warms up again."""
+    if ckpt_dir is None:
+        return
+    saved = load_comm_hook_state(ckpt_dir, "powersgd", env.world_rank, env.world_size)
+    if saved is not None:
+        load_powersgd_state(powersgd, saved, env.device)
+    elif env.world_rank == 0:
+        env.log_event({"event": "powersgd_reset", "step": step, "world_size": env.world_size,
+                       "warmup_steps": powersgd.start_powerSGD_iter,
+                       "reason": f"the checkpoint holds no PowerSGD state of {env.world_size} ranks"})
 
 
 def check_state_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -598,6 +681,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                     data_targets=targets, step=state.step, lr=lr, dry_template=template,
                     poison=lambda m: env.maybe_poison_gradient(m, state.step + 1))
                 if result.skipped:
+                    forget_powersgd_memory(t.powersgd)
                     state.skipped_steps += 1
                     state.consecutive_skips += 1
                     if state.consecutive_skips >= cfg.train.max_consecutive_skips:
@@ -686,9 +770,15 @@ def save(env: WorkerEnv, cfg: Config, t: Training, final: bool, sync: bool = Fal
         for part in gather_from_all(t.cursors):
             merged.update(part)
         state.cursors = {str(p): list(c) for p, c in sorted(merged.items())}
-    # Every rank copies and writes its share of the replicated state, in parallel (checkpoint.py).
+    # Every rank copies and writes its share of the replicated state, in parallel (checkpoint.py),
+    # and its own PowerSGD state (error feedback), which only it has.
+    comm_hook = None
+    if t.powersgd is not None:
+        comm_hook = {"kind": "powersgd", "world_size": env.world_size,
+                     "state": powersgd_state_dict(t.powersgd)}
     snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),
-                    env.world_size, env.provenance, shard=env.world_rank, shards=env.world_size)
+                    env.world_size, env.provenance, shard=env.world_rank, shards=env.world_size,
+                    comm_hook=comm_hook)
     env.save_checkpoint(snap, state.step, final=final or sync)
     blocked_s = time.perf_counter() - t0
     if env.world_rank == 0:

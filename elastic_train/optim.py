@@ -78,12 +78,16 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 # Bytes per parameter a data-parallel rank holds besides activations: fp32 weights (4) and
-# gradients (4), the optimizer's state, and the reduction's buffers (exact: a float64 sum, 8;
-# ddp: DDP's fp32 buckets, 4). README's table says the same.
+# gradients (4), the optimizer's state, the reduction's buffers (exact: a float64 sum, 8; ddp:
+# DDP's fp32 buckets, 4) and a communication hook's state (PowerSGD's error feedback, 4; its P and
+# Q are small). README's table says the same.
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw8bit": 2.0}
 REDUCTION_BUFFER_BYTES = {"exact": 8.0, "ddp": 4.0}
+COMM_HOOK_STATE_BYTES = {"powersgd": 4.0}
 
 
-def training_bytes_per_param(optim_name: str, grad_reduce: str) -> float:
-    """Memory per parameter of plain data parallelism, activations left out."""
-    return 4.0 + 4.0 + OPTIMIZER_STATE_BYTES[optim_name] + REDUCTION_BUFFER_BYTES[grad_reduce]
+def training_bytes_per_param(optim_name: str, grad_reduce: str, compression: str = "none") -> float:
+    """Memory per parameter of plain data parallelism, activations left out; `grad_reduce` is
+    the resolved reduction (exact or ddp)."""
+    return (4.0 + 4.0 + OPTIMIZER_STATE_BYTES[optim_name] + REDUCTION_BUFFER_BYTES[grad_reduce]
+            + COMM_HOOK_STATE_BYTES.get(compression, 0.0))

@@ -181,9 +181,17 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
         "startup": startup_breakdown(events, start_time),
     }
     summary["goodput"] = summary["ledger"]["goodput"]
+    summary.update(reduce_figures(events))
     summary.update(read_figures(events, sum(r.get("rows", 0) for r in effective.values())))
     summary.update(rank_figures(records, events))
     return summary
+
+
+def reduce_figures(events: list[dict]) -> dict:
+    """The gradient reduction that ran (the latest attempt's), why, and its compression."""
+    chosen = next((e for e in reversed(events) if e.get("event") == "grad_reduce"), {})
+    return {"grad_reduce": chosen.get("chosen"), "grad_reduce_reason": chosen.get("reason"),
+            "grad_compression": chosen.get("grad_compression")}
 
 
 def read_figures(events: list[dict], rows_trained: int) -> dict:

@@ -28,7 +28,7 @@ from ray.train.v2.api.report_config import CheckpointUploadMode
 from elastic_train import raycompat
 from elastic_train.blocks import BlockTable
 from elastic_train.checkpoint import BestCheckpointWriter, write_checkpoint
-from elastic_train.config import FaultConfig, config_from_dict
+from elastic_train.config import ConfigError, FaultConfig, config_from_dict
 from elastic_train.provenance import versions
 from elastic_train.rowgroups import DataError
 from elastic_train.watchdog import StepWatchdog, Verdict
@@ -86,9 +86,12 @@ class RayWorkerEnv:
         self._late_saved = False  # ... and whether its last checkpoint before the deadline was
 
     # -- model, data, checkpoints --------------------------------------------------------------
-    def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module:
-        """Move to this worker's device; wrap in DDP unless the loop reduces gradients itself."""
-        return ray.train.torch.prepare_model(model, parallel_strategy="ddp" if ddp else None)
+    def prepare_model(self, model: torch.nn.Module,
+                      ddp_kwargs: dict[str, Any] | None) -> torch.nn.Module:
+        """Move to this worker's device; wrap in DDP with `ddp_kwargs` unless they are None (the
+        loop reduces gradients itself). Ray wraps nothing at world size 1."""
+        return ray.train.torch.prepare_model(model, parallel_strategy="ddp" if ddp_kwargs is not None
+                                             else None, parallel_strategy_kwargs=ddp_kwargs)
 
     def latest_checkpoint_dir(self) -> str | None:
         checkpoint = ray.train.get_checkpoint()
@@ -357,7 +360,7 @@ def train_worker(config: dict[str, Any]) -> None:
     watchdog.start(env.on_verdict)
     try:
         train_loop(cfg, env, config.get("model_fn"), config.get("loss_fn"))
-    except (ModelTooLargeError, DataError) as exc:
+    except (ModelTooLargeError, DataError, ConfigError) as exc:
         # A restart would fail the same way: the RunLog keeps the reason, which the driver reports
         # as the failure; raising makes Ray stop the other ranks (which may wait in a collective),
         # and the restarted group sees the reason and returns at once.

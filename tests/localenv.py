@@ -34,7 +34,7 @@ class LocalEnv:
         self.steps: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
 
-    def prepare_model(self, model: torch.nn.Module, ddp: bool = True) -> torch.nn.Module:
+    def prepare_model(self, model: torch.nn.Module, ddp_kwargs: dict | None) -> torch.nn.Module:
         return model
 
     def latest_checkpoint_dir(self) -> str | None:

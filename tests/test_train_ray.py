@@ -70,9 +70,10 @@ def losses(result) -> dict[int, float]:
 def assert_same_training(result, reference) -> None:
     """The same ids at every step, the same loss curve and the same final model as `reference`.
 
-    With train.grad_reduce=exact (the default) a step's gradient is the same to the bit at any
-    world size, so a resized or restarted run is held to the bit, not to a tolerance: the loss
-    differs at most by the float64 summation of the logged loss, the weights not at all.
+    With train.grad_reduce=exact (what the default, auto, chooses on CPU workers) a step's
+    gradient is the same to the bit at any world size, so a resized or restarted run is held to
+    the bit, not to a tolerance: the loss differs at most by the float64 summation of the logged
+    loss, the weights not at all.
     """
     assert effective_ids(result) == effective_ids(reference)
     ref, got = losses(reference), losses(result)
