@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU smoke test (issue 6), for a machine with one or more CUDA GPUs; under 5 minutes.
 #   bash scripts/gpu_smoke.sh
-# 1. NCCL DDP + accumulation gradient vs one process, on the GPU (tests/test_dist.py logic, nccl).
+# 1. NCCL DDP + accumulation gradient vs one process, on the GPU (tests/test_dist.py logic, nccl),
+#    also through each communication hook (fp16, bf16, PowerSGD's warm-up step).
 # 2. elastic-train on Ray with 1 GPU worker: fp16 + GradScaler + adamw8bit, then bf16, then a crash
 #    and resume (the resumed worker checks that the restored AdamW / 8-bit state lies on the GPU:
 #    loop.check_state_device fails the run otherwise), then an 8-bit crash/resume and a model too
-#    large for the GPU (refused with one message); prints each summary line.
+#    large for the GPU (refused with one message); prints each summary line. train.grad_reduce=auto
+#    (the default) must choose ddp on a GPU worker.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
@@ -27,5 +29,8 @@ $PY - "$STORE" <<'PY'
 import json, sys, pathlib
 for run in ("fp16", "bf16", "crash", "crash8"):
     s = json.loads((pathlib.Path(sys.argv[1]) / run / "summary.json").read_text())
-    print(run, {k: s[k] for k in ("status", "steps", "first_loss", "final_loss", "restarts", "skipped_steps")})
+    print(run, {k: s[k] for k in ("status", "steps", "first_loss", "final_loss", "restarts", "skipped_steps",
+                                  "grad_reduce", "grad_reduce_reason")})
+    assert (s["grad_reduce"], s["grad_reduce_reason"]) in (
+        ("ddp", "auto: GPU workers"), ("ddp", "auto: kept from the run's checkpoint (chosen at its first start)")), s
 PY
