@@ -75,9 +75,11 @@ def test_powersgd_state_comes_back_per_rank_at_the_same_size_and_warms_up_after_
         state.iter, state.error_dict[0] = 30, torch.full((5,), float(rank + 1))
         ranks.append(powersgd_state_dict(state))
     model = torch.nn.Linear(2, 2)
-    snap = snapshot(model, torch.optim.AdamW(model.parameters()), None, asdict(TrainState(step=30)),
-                    {}, 2, {"kind": "powersgd", "world_size": 2, "ranks": ranks})
-    write_checkpoint(snap, tmp_path / "ckpt")
+    for rank in range(2):  # each rank writes its own share, its PowerSGD state with it
+        snap = snapshot(model, torch.optim.AdamW(model.parameters()), None,
+                        asdict(TrainState(step=30)), {}, 2, shard=rank, shards=2,
+                        comm_hook={"kind": "powersgd", "world_size": 2, "state": ranks[rank]})
+        write_checkpoint(snap, tmp_path / "ckpt")
 
     same = FakeEnv(world_size=2)
     same.world_rank = 1
