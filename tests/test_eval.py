@@ -291,12 +291,12 @@ def test_an_eval_data_set_of_its_own(ray_cluster, small_dataset, tmp_path):
     record = result.summary["provenance"]
     assert record["data_hash"] == data_hash(inspect_dataset(small_dataset))
     assert record["eval_data_hash"] == data_hash(inspect_dataset(str(held)))
-    assert record["versions"]["torch"] == torch.__version__.split("+")[0] or torch.__version__
+    assert record["versions"]["torch"] in (torch.__version__, torch.__version__.split("+")[0])
     assert json.loads((Path(result.run_dir) / "provenance.json").read_text()) == record
     # And how long it took to start, phase by phase (summary.json's `startup`).
     startup = result.summary["startup"]
     phases = [v for k, v in startup.items() if k.endswith("_s") and k != "total_s"]
-    assert min(phases) >= 0 and sum(phases) == pytest.approx(startup["total_s"])
+    assert min(phases) >= 0 and sum(phases) == pytest.approx(startup["total_s"], abs=0.01)  # rounded
     assert startup["worker_init_s"] > 0 and startup["first_step_s"] > 0
     state = json.loads((Path(result.checkpoint_path) / "state.json").read_text())
     assert state["provenance"]["data_hash"] == record["data_hash"]
