@@ -8,7 +8,6 @@ actor), and the fault-injection hooks that tests use.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -132,9 +131,7 @@ class RayWorkerEnv:
                 self._wait_for_commit_then_log(previous, step, in_checkpoint=True)
             write_checkpoint(snap, ckpt.path, crash_midway=crash)
             storage = ray.train.get_context().get_storage()
-            persisted = storage.persist_current_checkpoint(ckpt, dir_name)
-            shutil.rmtree(ckpt.path, ignore_errors=True)  # the local copy, once uploaded
-            return persisted
+            return storage.persist_current_checkpoint(ckpt, dir_name)  # Ray deletes the local copy
 
         ray.train.report(
             {"step": step},

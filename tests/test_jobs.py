@@ -245,5 +245,7 @@ def test_driver_script_joins_the_cluster(ray_head: Head, tmp_path: Path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert '"status": "finished"' in out.stdout
     assert _summary(tmp_path / "driver")["status"] == "finished"
-    # It joined the running cluster instead of starting one of its own.
-    assert "Connecting to existing Ray cluster" in out.stderr + out.stdout
+    # It joined the running cluster instead of starting one of its own: Ray's INFO line saying so
+    # is kept off the console, in the run folder's ray.log.
+    assert "Connecting to existing Ray cluster" not in out.stderr + out.stdout
+    assert "Connecting to existing Ray cluster" in (tmp_path / "driver" / "ray.log").read_text()
