@@ -314,6 +314,14 @@ def _figure():
     return fig, fig.add_subplot()
 
 
+def _save(fig, ax, path: Path) -> None:
+    """Grid, legend, layout, and the PNG: how every plot of the report ends."""
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def _draw_marks(ax, marks: list[Mark], xs: list[float | None]) -> list[Mark]:
     """Vertical line and label per mark at its x (None: not drawn); returns the marks drawn."""
     drawn = []
@@ -350,10 +358,7 @@ def plot_loss(run: RunFiles, marks: list[Mark], path: Path) -> list[Mark]:
                 marker="s", markersize=5, linewidth=1.6, label="eval loss (held out)")
     drawn = _draw_marks(ax, marks, [m.step for m in marks])
     ax.set(xlabel="step", ylabel="loss", title=f"{run.folder.name}: loss per step")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, ax, path)
     return drawn
 
 
@@ -383,10 +388,7 @@ def plot_throughput(run: RunFiles, marks: list[Mark], path: Path) -> list[Mark]:
     ax.set(xlabel="wall time since the run started (s)", ylabel="tokens/s",
            title=f"{run.folder.name}: throughput per step")
     ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, ax, path)
     return drawn
 
 
@@ -406,10 +408,7 @@ def plot_ranks(run: RunFiles, path: Path) -> bool:
     ax.set(xlabel="step", ylabel="busy time (s): step less time in collectives",
            title=f"{run.folder.name}: step time per rank")
     ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, ax, path)
     return True
 
 
