@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks
 from test_dist import build, global_batch, reference_grads
 
 from elastic_train.commhooks import (
@@ -33,16 +32,13 @@ def ddp_model(compression: str, **train):
     return model, register_comm_hook(model, t)
 
 
-def _grad_worker(rank: int, init_file: str, out: str, compression: str, train: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+def _grad_worker(rank: int, world_size: int, out: str, compression: str, train: dict) -> None:
     model, _ = ddp_model(compression, **train)
     mbs = global_batch(4)
     forward_backward(model, [mb for mb in mbs if mb.partition % 2 == rank],
                      setup=StepSetup(device=CPU, world_size=2),
                      global_targets=sum(mb.targets for mb in mbs))
     torch.save({n: p.grad.clone() for n, p in model.module.model.named_parameters()}, f"{out}.{rank}")
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("compression, train, tolerance", [
@@ -54,8 +50,7 @@ def test_each_hook_reduces_close_to_one_process(tmp_path, compression, train, to
     """The whole model's gradient, relative to the one-process reference (the DDP knobs on the
     plain reduction: many tiny buckets, gradients as views into them)."""
     out = str(tmp_path / "grads")
-    mp.start_processes(_grad_worker, args=(str(tmp_path / "init"), out, compression, train),
-                       nprocs=2, start_method="spawn")
+    run_ranks(_grad_worker, 2, tmp_path, out, compression, train)
     ref = reference_grads()
     flat_ref = torch.cat([g.flatten() for g in ref.values()])
     for rank in range(2):
@@ -84,9 +79,7 @@ def powersgd_run(rank: int, steps: range, weights: dict | None, hook_state: dict
     return {k: v.clone() for k, v in raw.state_dict().items()}, powersgd_state_dict(state), losses
 
 
-def _powersgd_worker(rank: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+def _powersgd_worker(rank: int, world_size: int, out: str) -> None:
     full, _, full_losses = powersgd_run(rank, range(8), None, None)
     first, saved, _ = powersgd_run(rank, range(4), None, None)  # a checkpoint at step 4 ...
     resumed, _, resumed_losses = powersgd_run(rank, range(4, 8), first, saved)  # ... resumed
@@ -94,13 +87,11 @@ def _powersgd_worker(rank: int, init_file: str, out: str) -> None:
     torch.save({"full": full, "resumed": resumed, "reset": reset, "full_losses": full_losses,
                 "resumed_losses": resumed_losses, "error_norm": float(
                     sum(e.norm() for e in saved["error_dict"].values()))}, f"{out}.{rank}")
-    dist.destroy_process_group()
 
 
 def test_powersgd_resumes_exactly_from_each_ranks_saved_state(tmp_path):
     out = str(tmp_path / "run")
-    mp.start_processes(_powersgd_worker, args=(str(tmp_path / "init"), out), nprocs=2,
-                       start_method="spawn")
+    run_ranks(_powersgd_worker, 2, tmp_path, out)
     for rank in range(2):
         r = torch.load(f"{out}.{rank}")
         assert r["error_norm"] > 0  # compression ran before the checkpoint: there is feedback

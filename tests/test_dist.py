@@ -7,8 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 from elastic_train.config import ModelConfig
 from elastic_train.data import pad_rows
@@ -36,9 +35,7 @@ def build():
     return build_model(MODEL, 64)
 
 
-def _worker(rank: int, world_size: int, init_file: str, out: str, rank1_empty: bool) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+def _worker(rank: int, world_size: int, out: str, rank1_empty: bool) -> None:
     model = torch.nn.parallel.DistributedDataParallel(LossModule(build()))
     mbs = global_batch(4)
     if rank1_empty:  # the end of an epoch: rank 1's partitions are dry
@@ -50,7 +47,6 @@ def _worker(rank: int, world_size: int, init_file: str, out: str, rank1_empty: b
                      global_targets=targets)
     grads = {n: p.grad.clone() for n, p in model.module.model.named_parameters()}
     torch.save(grads, f"{out}.{rank}")
-    dist.destroy_process_group()
 
 
 def reference_grads():
@@ -65,8 +61,7 @@ def reference_grads():
 @pytest.mark.parametrize("rank1_empty", [False, True])
 def test_ddp_accumulated_gradient_matches_single_process(tmp_path, rank1_empty):
     out = str(tmp_path / "grads")
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), out, rank1_empty), nprocs=2,
-                       start_method="spawn")
+    run_ranks(_worker, 2, tmp_path, out, rank1_empty)
     ref = reference_grads()
     for rank in range(2):
         grads = torch.load(f"{out}.{rank}")
@@ -91,21 +86,17 @@ def exact_grads(micro_batches, targets: float) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _exact_worker(rank: int, world_size: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+def _exact_worker(rank: int, world_size: int, out: str) -> None:
     mbs = global_batch(6)
     mine = [mb for mb in mbs if mb.partition % world_size == rank]
     torch.save(exact_grads(mine, sum(mb.targets for mb in mbs)), f"{out}.{rank}")
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_exact_reduce_is_the_same_to_the_bit_at_any_world_size(tmp_path, world_size):
     """float64 sums and per-partition dropout seeds: W ranks give one process's gradient exactly."""
     out = str(tmp_path / "grads")
-    mp.start_processes(_exact_worker, args=(world_size, str(tmp_path / "init"), out), nprocs=world_size,
-                       start_method="spawn")
+    run_ranks(_exact_worker, world_size, tmp_path, out)
     torch.set_num_threads(1)
     mbs = global_batch(6)
     ref = exact_grads(mbs, sum(mb.targets for mb in mbs))
@@ -142,15 +133,12 @@ def user_loss_grads(model, micro_batches, world_size: int, data_targets: float):
     return {n: p.grad.clone() for n, p in raw.named_parameters()}
 
 
-def _user_loss_worker(rank: int, world_size: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+def _user_loss_worker(rank: int, world_size: int, out: str) -> None:
     mbs = labelled_batch(4)
     mine = mbs if rank == 0 else []  # rank 1 is dry and has never seen a batch: zeros for `label`
     model = torch.nn.parallel.DistributedDataParallel(LossModule(build(), label_loss))
     grads = user_loss_grads(model, mine, world_size, sum(mb.targets for mb in mbs))
     torch.save(grads, f"{out}.{rank}")
-    dist.destroy_process_group()
 
 
 def test_a_user_loss_on_an_extra_column_matches_one_process_with_a_dry_rank(tmp_path):
@@ -158,8 +146,7 @@ def test_a_user_loss_on_an_extra_column_matches_one_process_with_a_dry_rank(tmp_
     rank joins the step through that same loss; the gradient is the one-process gradient of
     (total loss / the loss's own target count)."""
     out = str(tmp_path / "grads")
-    mp.start_processes(_user_loss_worker, args=(2, str(tmp_path / "init"), out), nprocs=2,
-                       start_method="spawn")
+    run_ranks(_user_loss_worker, 2, tmp_path, out)
     mbs = labelled_batch(4)
     ref = user_loss_grads(LossModule(build(), label_loss), mbs, 1, sum(mb.targets for mb in mbs))
     model = build()

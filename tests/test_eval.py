@@ -13,10 +13,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import TINY
 from localenv import train_locally
+from ranks import run_ranks
 
 from elastic_train.api import data_tables, dataset_blocks, train
 from elastic_train.blocks import BlockReader
@@ -98,11 +97,7 @@ def test_an_eval_path_of_another_tokenizer_or_missing_is_refused(small_dataset, 
 MODEL = ModelConfig(n_layer=1, d_model=32, n_head=2, dropout=0.1, vocab_size=256)
 
 
-def _eval_worker(rank: int, world_size: int, init_file: str, data: str, out: str) -> None:
-    torch.set_num_threads(1)
-    if world_size > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size)
+def _eval_worker(rank: int, world_size: int, data: str, out: str) -> None:
     torch.manual_seed(0)
     module = LossModule(build_model(MODEL, 128))
     cfg = load_config(None, [*EVAL, f"data.path={data}"])
@@ -112,18 +107,14 @@ def _eval_worker(rank: int, world_size: int, init_file: str, data: str, out: str
     results = [evaluate(module, BlockReader(held), spec, list(range(rank, 4, world_size)),
                         setup=setup, max_batches=m) for m in (None, 1)]
     torch.save([(r.loss, r.targets, r.micro_batches) for r in results], f"{out}.{world_size}.{rank}")
-    if world_size > 1:
-        dist.destroy_process_group()
 
 
 @pytest.mark.dist
 def test_eval_loss_is_bitwise_the_same_on_1_2_and_3_processes(small_dataset, tmp_path):
     out = str(tmp_path / "eval")
-    _eval_worker(0, 1, "", small_dataset, out)
+    _eval_worker(0, 1, small_dataset, out)
     for world_size in (2, 3):
-        mp.start_processes(_eval_worker, args=(world_size, str(tmp_path / f"init{world_size}"),
-                                               small_dataset, out), nprocs=world_size,
-                           start_method="spawn")
+        run_ranks(_eval_worker, world_size, tmp_path, small_dataset, out)
     (whole, first), = [torch.load(f"{out}.1.0")]
     assert whole[2] > first[2] >= 1 and whole[1] > first[1]  # max_batches bounds it
     assert math.isfinite(whole[0]) and whole[0] > 0

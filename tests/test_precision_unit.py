@@ -28,8 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import run_ranks
 
 from elastic_train.checkpoint import load_checkpoint, read_shards, snapshot, write_checkpoint
 from elastic_train.config import ModelConfig, OptimConfig
@@ -244,9 +243,7 @@ def test_nonfinite_step_backs_off_the_scale_and_restarts_growth_counting() -> No
 
 
 # -- optional: 2 gloo processes agree to skip ---------------------------------------------------
-def _gloo_worker(rank: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+def _gloo_worker(rank: int, world_size: int, out: str) -> None:
     raw, optimizer = _build("adamw")
     model = torch.nn.parallel.DistributedDataParallel(LossModule(raw))
     setup = StepSetup(device=CPU, world_size=2)
@@ -259,14 +256,12 @@ def _gloo_worker(rank: int, init_file: str, out: str) -> None:
                             data_targets=sum(mb.targets for mb in BATCHES[step]), poison=poison)
         results.append((result.loss, result.skipped))
     torch.save({"results": results, "params": _params(raw)}, f"{out}.{rank}")
-    dist.destroy_process_group()
 
 
 @pytest.mark.dist
 def test_two_gloo_ranks_agree_to_skip_a_step_one_of_them_saw_as_nonfinite(tmp_path) -> None:
     out = str(tmp_path / "out")
-    mp.start_processes(_gloo_worker, args=(str(tmp_path / "init"), out), nprocs=2,
-                       start_method="spawn")
+    run_ranks(_gloo_worker, 2, tmp_path, out)
     r0, r1 = (torch.load(f"{out}.{rank}") for rank in (0, 1))
     assert [s for _, s in r0["results"]] == [s for _, s in r1["results"]] == [False, True, False]
     assert [loss for loss, _ in r0["results"]] == [loss for loss, _ in r1["results"]]
