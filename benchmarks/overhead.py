@@ -11,6 +11,7 @@ With --repeat R, a, b and e run R times in turn (a b e a b e ...) and each figur
 the machine's load drifts over minutes, and taking turns spreads it over all three.
 
     .venv/bin/python benchmarks/overhead.py [--steps 30] [--repeat 1]
+    .venv/bin/python benchmarks/overhead.py --levers --repeat 3   # the CPU-gap levers, A/B
 """
 
 from __future__ import annotations
@@ -90,20 +91,64 @@ class CpuSampler:
                 "other_share_of_machine": (busy1 - busy0 - (train1 - train0)) / (total1 - total0)}
 
 
-def run_elastic(steps: int, workers: int, storage: str, reduce: str) -> dict:
+def run_elastic(steps: int, workers: int, storage: str, reduce: str, *extra: str) -> dict:
     name = f"overhead-{workers}w-{reduce}-{time.time_ns()}"
     start = time.time()
     with CpuSampler("RayTrainWorker") as cpu:
         subprocess.run(
             [str(ROOT / ".venv/bin/elastic-train"), "train", *COMMON, f"train.max_steps={steps}",
              f"run.storage_path={storage}", f"run.name={name}", f"scaling.min_workers={workers}",
-             f"scaling.max_workers={workers}", f"train.grad_reduce={reduce}"],
+             f"scaling.max_workers={workers}", f"train.grad_reduce={reduce}", *extra],
             check=True, capture_output=True, text=True,
         )
     recs = [json.loads(x) for x in (Path(storage) / name / "metrics.jsonl").read_text().splitlines()]
     times, tokens = [r["time"] for r in recs], [r["real_tokens"] for r in recs]
     return {"tokens_per_s": steady(times, tokens), "startup_s": times[0] - start,
-            "data_wait_s": sum(r["data_wait_s"] for r in recs[WARMUP:]), **cpu.window(times)}
+            "data_wait_s": sum(r["data_wait_s"] for r in recs[WARMUP:]),
+            "host_ms": 1e3 * statistics.median(r["host_s"] for r in recs[WARMUP + 1:]),
+            "step_ms": 1e3 * statistics.median(r["step_time_s"] for r in recs[WARMUP + 1:]),
+            **cpu.window(times)}
+
+
+# The CPU-gap levers (run.* keys, local cluster only), each an A/B against torchrun in the same round.
+LEVERS = {
+    "neither (before)": ["run.dashboard=true", "run.train_first=false"],
+    "train_first": ["run.dashboard=true", "run.train_first=true"],
+    "no dashboard": ["run.dashboard=false", "run.train_first=false"],
+    "both (default)": ["run.dashboard=false", "run.train_first=true"],
+}
+
+
+def levers(steps: int, rounds: int) -> None:
+    """--levers: each round runs torchrun then every lever setting once (taking turns, so that a
+    drift of the machine's load spreads over all); a setting's ratio is the median over rounds of
+    its tokens/s over that round's torchrun."""
+    ratios: dict[str, list[float]] = {k: [] for k in LEVERS}
+    runs: dict[str, list[dict]] = {k: [] for k in LEVERS}
+    base: list[dict] = []
+    with tempfile.TemporaryDirectory() as storage:
+        for _ in range(rounds):
+            b = run_baseline(steps, 2, 1)
+            base.append(b)
+            for k, overrides in LEVERS.items():
+                r = run_elastic(steps, 2, storage, "exact", *overrides)
+                runs[k].append(r)
+                ratios[k].append(r["tokens_per_s"] / b["tokens_per_s"])
+    print(f"| setting | ratio to torchrun (median of {rounds} rounds; each) | tokens/s | "
+          "step ms | host overhead ms/step | training's share of the machine | the rest's share |")
+    print("|---|---|---|---|---|---|---|")
+    for k in LEVERS:
+        rs = runs[k]
+        med = {f: statistics.median(r[f] for r in rs if f in r) for f in
+               ("tokens_per_s", "step_ms", "host_ms", "train_share_of_machine", "other_share_of_machine")}
+        print(f"| {k} | {statistics.median(ratios[k]):.3f} ({'; '.join(f'{x:.3f}' for x in ratios[k])}) | "
+              f"{med['tokens_per_s']:.0f} | {med['step_ms']:.1f} | {med['host_ms']:.1f} | "
+              f"{med['train_share_of_machine']:.1%} | {med['other_share_of_machine']:.1%} |")
+    print(f"| torchrun | 1 | {statistics.median(b['tokens_per_s'] for b in base):.0f} | - | - | "
+          f"{statistics.median(b['train_share_of_machine'] for b in base):.1%} | "
+          f"{statistics.median(b['other_share_of_machine'] for b in base):.1%} |")
+    print(json.dumps({"benchmark": "overhead_levers", "rounds": rounds, "ratios": ratios,
+                      "runs": runs, "torchrun": base}))
 
 
 def run_baseline(steps: int, nproc: int, threads: int) -> dict:
@@ -134,7 +179,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--levers", action="store_true", help="the CPU-gap levers' A/B instead (rounds: --repeat)")
     args = p.parse_args()
+    if args.levers:
+        return levers(args.steps, args.repeat)
     runs: dict[str, list[dict]] = {"a": [], "b": [], "e": []}
     with tempfile.TemporaryDirectory() as storage:
         for _ in range(args.repeat):

@@ -43,6 +43,7 @@ from elastic_train.checks import (
 )
 from elastic_train.config import Config, ConfigError, check_run_name, num_partitions, validate
 from elastic_train.console import RAY_LOG, ray_console, ray_train_logging, route_forwarded_lines
+from elastic_train.cpushare import TrainFirst
 from elastic_train.losses import LossFn
 from elastic_train.model import BYTE_VOCAB, ModelFn, build_model, input_embedding_rows
 from elastic_train.nodewatch import NodeWatcher
@@ -314,8 +315,8 @@ def init_ray(cfg: Config) -> bool:
         os.environ["RAY_GCS_SERVER_PORT"] = str(port)
         try:
             env_vars = {"PYTHONPATH": driver_pythonpath(), "RAY_ADDRESS": f"127.0.0.1:{port}"}
-            ray.init(address="local", num_cpus=num_cpus, dashboard_host="127.0.0.1",
-                     runtime_env={"env_vars": env_vars})
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=cfg.run.dashboard,
+                     dashboard_host="127.0.0.1", runtime_env={"env_vars": env_vars})
             return True
         except (ConnectionError, RuntimeError):
             if attempt:
@@ -384,7 +385,8 @@ def nccl_env(cfg: Config) -> dict[str, str]:
 
 def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | None = None,
                   loss_fn: LossFn | None = None, record: dict | None = None,
-                  verbose: bool = False) -> TorchTrainer:
+                  verbose: bool = False, pg_cleaner: bool = True) -> TorchTrainer:
+    """`pg_cleaner=False`: without Ray's placement-group cleaner (see `Trainer`)."""
     s = cfg.scaling
     tables = data_tables(cfg, info)
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
@@ -394,7 +396,7 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
     storage = cfg.run.storage_path
     if "://" not in storage:
         storage = os.path.abspath(os.path.expanduser(storage))
-    return TorchTrainer(
+    trainer = Trainer(
         train_loop_per_worker=train_worker,
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo",
                                  timeout_s=s.collective_timeout_s),
@@ -414,6 +416,27 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
             worker_runtime_env={"env_vars": nccl_env(cfg)},
         ),
     )
+    trainer.pg_cleaner = pg_cleaner
+    return trainer
+
+
+class Trainer(TorchTrainer):
+    """TorchTrainer that can leave out Ray's placement-group cleaner where it cannot work.
+
+    The cleaner (a detached actor) asks Ray's state API every second whether the controller is
+    alive, to remove the run's placement group after an ungraceful death. A local cluster without
+    the dashboard (`run.dashboard: false`) has no state API: the cleaner would only warn every
+    second ("Failed to query Ray Train Controller actor state"), and the run's `ray.shutdown`
+    removes the placement group anyway. Ray 2.60's private `_create_default_callbacks`; if it
+    moves, the warnings come back (in ray.log, see console.py), nothing breaks."""
+
+    pg_cleaner = True
+
+    def _create_default_callbacks(self):
+        callbacks = super()._create_default_callbacks()
+        if self.pg_cleaner:
+            return callbacks
+        return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
 
 
 def _uri(info: DatasetInfo, path: str) -> str:
@@ -470,7 +493,8 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
         started_here = init_ray(cfg)
         unroute = route_forwarded_lines(ray_log, verbose)
         try:
-            return _run(cfg, info, model_fn, loss_fn, progress, verbose, ray_log, startup)
+            return _run(cfg, info, model_fn, loss_fn, progress, verbose, ray_log, startup,
+                        local=started_here)
         finally:
             if started_here:
                 ray.shutdown()  # first: it stops the thread that forwards lines
@@ -478,8 +502,9 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
 
 
 def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: LossFn | None,
-         progress, verbose: bool, ray_log, startup: dict[str, float]) -> TrainResult:
-    """`train` on a running Ray: the RunLog actor, the trainer, fit, summary.json."""
+         progress, verbose: bool, ray_log, startup: dict[str, float], local: bool) -> TrainResult:
+    """`train` on a running Ray (`local`: a cluster started for this run): the RunLog actor, the
+    trainer, fit, summary.json."""
     start = startup["ray_ready"] = time.time()
     runlog = start_runlog(cfg)
     try:
@@ -488,7 +513,8 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
         save_config(cfg, runlog)
         record = provenance.driver_record(info, data_tables(cfg, info).eval_info)
         ray.get(runlog.write_file.remote("provenance.json", json.dumps(record, indent=2)))
-        trainer = build_trainer(cfg, info, runlog, model_fn, loss_fn, record, verbose)
+        trainer = build_trainer(cfg, info, runlog, model_fn, loss_fn, record, verbose,
+                                pg_cleaner=not local or cfg.run.dashboard)
         startup["fit_call"] = time.time()
         ray.get(runlog.log_event.remote({"event": "fit_start", "driver_startup": startup}))
         error, checkpoint_path = None, None
@@ -496,6 +522,7 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
             progress.start(runlog)
         elastic = cfg.scaling.min_workers < cfg.scaling.max_workers
         watcher = NodeWatcher(runlog).start() if elastic else None
+        train_first = TrainFirst().start() if local and cfg.run.train_first else None
         try:
             result = trainer.fit()
             checkpoint_path = result.checkpoint.path if result.checkpoint else None
@@ -506,6 +533,9 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
                 progress.stop()
             if watcher is not None:
                 watcher.stop()
+            if train_first is not None:
+                train_first.stop()
+                ray.get(runlog.log_event.remote({"event": "cpu_share", **train_first.changed}))
         fatal = ray.get(runlog.progress.remote())["fatal"]
         summary = build_summary(folder, start_time=start, error=fatal or error)
         summary["provenance"] = record

@@ -30,6 +30,11 @@ class RunConfig:
     storage_path: str = "./runs"  # local folder or a pyarrow.fs URI (s3://, gs://, ...)
     address: str | None = None  # Ray cluster to join; None: RAY_ADDRESS, else a new local cluster
     num_cpus: int | None = None  # logical CPUs of a new local cluster; None: enough for workers + data
+    # a new local cluster only (both): its Ray dashboard at http://127.0.0.1:8265 (off: less CPU
+    # for Ray, and Ray Train's state API and dashboard pages are absent); and its Ray daemons and
+    # helper actors yield the CPU to the training processes (cpushare.py)
+    dashboard: bool = False
+    train_first: bool = True
 
 
 @dataclass

@@ -652,6 +652,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                    "resumed_step": state.step, "rank": rank,
                    "utilisation": utilisation(num_partitions(cfg), world_size)})
     previous: tuple[float, float] | None = None  # this rank's (busy, data wait) of its last step
+    tail_s = 0.0  # the last step's time after its record (the record's call, fault hooks)
     while state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
         if rank == 0:
             _log_epoch_plan(env, cfg, state.epoch)
@@ -709,6 +710,10 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                         grad_norm=result.grad_norm, real_tokens=int(real), padded_tokens=int(padded),
                         step_time_s=step_time_s, data_wait_s=wait_s,
                         forward_backward_s=result.forward_backward_s, optimizer_s=result.optimizer_s,
+                        # host overhead: neither data wait nor compute (the counters' all-reduce,
+                        # bookkeeping, actor calls), this step's and the last one's tail
+                        host_s=step_time_s - wait_s - result.forward_backward_s - result.optimizer_s
+                        + tail_s,
                         tokens_per_s=real / step_time_s,
                         mfu=flops_per_token * real / step_time_s / (cfg.log.peak_flops * world_size),
                         rss_bytes=process.memory_info().rss, skipped=result.skipped, rows=int(rows),
@@ -717,6 +722,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                     ))
                 env.inject_faults(state.step)
                 step_s = time.perf_counter() - t0
+                tail_s = step_s - step_time_s
                 previous = (step_s - (collective_seconds() - collective0), wait_s)
                 env.step_ended(step_s)
                 if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:

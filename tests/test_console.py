@@ -8,6 +8,7 @@ local Ray cluster, as a user's run does) and read what it printed.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import re
@@ -179,6 +180,14 @@ def test_default_console_shows_progress_and_no_ray_info_line(tmp_path, tiny, sma
     ray_log = (tmp_path / "quiet" / RAY_LOG).read_text()
     assert "Started a local Ray instance" in ray_log  # kept, in the run folder
     assert "Reporting training result" in ray_log
+    # the local cluster runs without the dashboard, so without Ray's placement-group cleaner,
+    # which would warn every second that it cannot reach the state API
+    assert "Failed to query Ray Train Controller" not in console + ray_log
+    # run.train_first: the RunLog, Ray's controller and daemons yielded the CPU (cpushare.py)
+    events = [json.loads(x) for x in (tmp_path / "quiet" / "events.jsonl").read_text().splitlines()]
+    share, = [e for e in events if e["event"] == "cpu_share"]
+    assert share["helpers"] >= 5, share  # GCS, raylet, dashboard, agents, controller, RunLog...
+    assert share["training"] == (2 if os.geteuid() == 0 else 0), share
 
 
 @pytest.mark.ray
