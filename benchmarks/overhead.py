@@ -135,18 +135,22 @@ def levers(steps: int, rounds: int) -> None:
                 runs[k].append(r)
                 ratios[k].append(r["tokens_per_s"] / b["tokens_per_s"])
     print(f"| setting | ratio to torchrun (median of {rounds} rounds; each) | tokens/s | "
-          "step ms | host overhead ms/step | training's share of the machine | the rest's share |")
-    print("|---|---|---|---|---|---|---|")
+          "step ms | host overhead ms/step | training's share of the machine | the rest's share | "
+          "start-up s |")
+    print("|---|---|---|---|---|---|---|---|")
     for k in LEVERS:
         rs = runs[k]
         med = {f: statistics.median(r[f] for r in rs if f in r) for f in
-               ("tokens_per_s", "step_ms", "host_ms", "train_share_of_machine", "other_share_of_machine")}
+               ("tokens_per_s", "step_ms", "host_ms", "train_share_of_machine", "other_share_of_machine",
+                "startup_s")}
         print(f"| {k} | {statistics.median(ratios[k]):.3f} ({'; '.join(f'{x:.3f}' for x in ratios[k])}) | "
               f"{med['tokens_per_s']:.0f} | {med['step_ms']:.1f} | {med['host_ms']:.1f} | "
-              f"{med['train_share_of_machine']:.1%} | {med['other_share_of_machine']:.1%} |")
+              f"{med['train_share_of_machine']:.1%} | {med['other_share_of_machine']:.1%} | "
+              f"{med['startup_s']:.1f} |")
     print(f"| torchrun | 1 | {statistics.median(b['tokens_per_s'] for b in base):.0f} | - | - | "
           f"{statistics.median(b['train_share_of_machine'] for b in base):.1%} | "
-          f"{statistics.median(b['other_share_of_machine'] for b in base):.1%} |")
+          f"{statistics.median(b['other_share_of_machine'] for b in base):.1%} | "
+          f"{statistics.median(b['startup_s'] for b in base):.1f} |")
     print(json.dumps({"benchmark": "overhead_levers", "rounds": rounds, "ratios": ratios,
                       "runs": runs, "torchrun": base}))
 

@@ -8,6 +8,8 @@
 #    loop.check_state_device fails the run otherwise), then an 8-bit crash/resume and a model too
 #    large for the GPU (refused with one message); prints each summary line. train.grad_reduce=auto
 #    (the default) must choose ddp on a GPU worker.
+# 3. Throughput: a ~100M-parameter GPT (12 layers, d_model 768) in bf16 on 1 GPU worker, 60 steps:
+#    steady tokens/s and MFU (log.peak_flops: H100/H200 dense bf16, 989e12; set PEAK_FLOPS for others).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
@@ -33,4 +35,17 @@ for run in ("fp16", "bf16", "crash", "crash8"):
                                   "grad_reduce", "grad_reduce_reason")})
     assert (s["grad_reduce"], s["grad_reduce_reason"]) in (
         ("ddp", "auto: GPU workers"), ("ddp", "auto: kept from the run's checkpoint (chosen at its first start)")), s
+PY
+PEAK=${PEAK_FLOPS:-989e12}
+.venv/bin/elastic-train train "${COMMON[@]}" run.name=gpt100m train.precision=bf16 train.max_steps=60 \
+    checkpoint.every_steps=0 model.n_layer=12 model.d_model=768 model.n_head=12 data.max_seq_len=1024 \
+    data.micro_batch_tokens=16384 data.global_batch_tokens=65536 "log.peak_flops=$PEAK"
+$PY - "$STORE/gpt100m" <<'PY'
+import json, statistics, sys, pathlib
+run = pathlib.Path(sys.argv[1])
+steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval_loss"' not in x]
+steady = steps[10:]  # past compilation, allocator warm-up
+print("gpt100m bf16: %.0f tokens/s, MFU %.3f, step %.1f ms, host overhead %.2f ms/step" % (
+    statistics.median(r["tokens_per_s"] for r in steady), statistics.median(r["mfu"] for r in steady),
+    1e3 * statistics.median(r["step_time_s"] for r in steady), 1e3 * statistics.median(r["host_s"] for r in steady)))
 PY
