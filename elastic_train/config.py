@@ -168,6 +168,10 @@ class FaultConfig:
     hang_rank: int = 0
     slow_rank: int | None = None  # test hook: this rank sleeps slow_step_s in every step
     slow_step_s: float = 0.0
+    # test hook (an elastic run's grow, without a race against the run's end): rank 0 waits after
+    # this step until a joining node asks for a checkpoint, takes it after the next step, then
+    # holds a step later until Ray replaces the group at its new size
+    hold_for_resize_at_step: int | None = None
 
 
 @dataclass

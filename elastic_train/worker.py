@@ -77,6 +77,9 @@ class RayWorkerEnv:
         self.last_saved_step = -1
         self._nonfinite_pending: list[int] = []
         self.fatal: str | None = None  # set when the run must stop (see handle_nonfinite)
+        self._held_request: str | None = None  # hold_for_resize: a request it took ...
+        self._request_granted = False  # ... whether this step's end saves a requested checkpoint
+        self._hold_at: int | None = None  # ... and the step after which it holds
         self._request_ref = None  # checkpoint_requested: the RunLog call in flight ...
         self._last_request_poll = -REQUEST_POLL_INTERVAL_S  # ... and when it was made
         self._last_poll: float | None = None  # preemption_notice: when it last ran ...
@@ -148,6 +151,11 @@ class RayWorkerEnv:
         scale-down: `preemption_notice`), or the driver's node watcher asked (a node joined)."""
         if self.world_rank != 0:
             return False
+        if self._held_request:
+            reason, self._held_request = self._held_request, None
+            self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": reason})
+            self._request_granted = True
+            return True
         notice = self.preemption_notice()
         if notice:
             self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": notice})
@@ -168,6 +176,7 @@ class RayWorkerEnv:
         reason = ray.get(ref)
         if reason:
             self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": reason})
+            self._request_granted = True
         return bool(reason)
 
     def preemption_notice(self) -> str | None:
@@ -264,6 +273,8 @@ class RayWorkerEnv:
         f = self.fault
         if f.slow_rank == self.world_rank:
             time.sleep(f.slow_step_s)
+        if f.hold_for_resize_at_step is not None and self.world_rank == 0:
+            self._hold_for_resize(step, f.hold_for_resize_at_step)
         hang = f.hang_at_step == step and f.hang_rank == self.world_rank
         if hang and ray.get(self.runlog.claim_fault.remote(f"hang@{step}")):
             ray.get(self.log_event({"event": "hang_injected", "step": step}))
@@ -274,6 +285,28 @@ class RayWorkerEnv:
         if ray.get(self.runlog.claim_fault.remote(f"crash@{step}")):
             self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False)
             os._exit(1)
+
+    def _hold_for_resize(self, step: int, at: int) -> None:
+        """Test hook (fault.hold_for_resize_at_step): once a joining node's checkpoint request is
+        granted (this step's end saves and commits it), hold after the next step until Ray
+        replaces this group; if none is granted by step `at`, wait there for it. Once per run."""
+        granted, self._request_granted = self._request_granted, False
+        if step == self._hold_at and ray.get(self.runlog.claim_fault.remote(f"hold@{step}")):
+            ray.get(self.log_event({"event": "holding_for_resize", "step": step}))
+            threading.Event().wait()  # Ray ends this process when it restarts the group
+        if self._hold_at is not None:
+            return
+        if granted:
+            self._hold_at = step + 1
+        elif step == at and ray.get(self.runlog.claim_fault.remote(f"hold_wait@{step}")):
+            self.log_event({"event": "waiting_for_resize", "step": step})
+            # the regular poll's call may be in flight and take the request first: wait for it too
+            reason = ray.get(self._request_ref) if self._request_ref is not None else None
+            self._request_ref = None
+            while not reason:
+                time.sleep(0.1)
+                reason = ray.get(self.runlog.take_checkpoint_request.remote())
+            self._held_request = reason  # granted at the next step's start
 
     def maybe_crash_in_eval(self, step: int) -> None:
         """Test hook: die in the evaluation after step `crash_at_step` (after its first batch)."""

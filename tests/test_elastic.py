@@ -241,7 +241,11 @@ def test_grows_when_a_node_joins(cluster, reference, small_dataset, tmp_path):
     set_slot_nodes(cluster, 1)
     t0 = time.time()
     # No periodic checkpoints after step 4: only the one asked for when the node joins saves work.
-    bg = Background(config(tmp_path, small_dataset, "grow", *ELASTIC, "checkpoint.every_steps=100000"))
+    # Once that checkpoint is committed the run holds until Ray grows the group (and waits after
+    # step 6 for the request if it has not come): on a slow machine a node may take longer to join
+    # than the run takes to finish.
+    bg = Background(config(tmp_path, small_dataset, "grow", *ELASTIC, "checkpoint.every_steps=100000",
+                           "fault.hold_for_resize_at_step=6"))
     event = bg.wait_step(5, timeout=180)
     assert event["world_size"] == 1
     added_at = time.time()
