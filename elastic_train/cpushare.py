@@ -8,12 +8,15 @@ helpers tie with training. Raising every worker's priority (`RAY_worker_niceness
 worse here: the helpers gained as much as training did (BENCHMARKS.md).
 
 `TrainFirst` is a driver thread for a cluster this process started (`run.address` unset): every
-`interval_s` it sets each process of the cluster to `HELPER_NICE` unless it is a training worker or
-an idle pool worker (which may become one), and lifts training workers to nice 0 where the user
-may (root, CAP_SYS_NICE; otherwise they stay at Ray's 15, still ahead of the helpers). Processes
-are told apart by the titles Ray gives them (`ray::RayTrainWorker...`, `ray::IDLE`); a Ray that
-renames them makes this a no-op, never a failure. Never on a cluster the run joined: its other
-jobs' processes are not ours to reprioritise.
+`interval_s` it sets Ray's daemons (its own programs: GCS, raylet, dashboard, monitors) and Ray
+Train's helper actors (and ours, the RunLog) to `HELPER_NICE`, and lifts training workers to nice 0
+where the user may (root, CAP_SYS_NICE; otherwise they stay at Ray's 15, still ahead of the
+helpers). Everything else keeps its niceness: idle pool workers (which may become training
+workers), Ray Data's tasks (they feed training with `data.reader=ray_data`), a user's own
+processes. Processes are told apart by their command lines (Ray's process titles, such as
+`ray::RayTrainWorker.run`, and the paths of Ray's programs); a Ray that renames them makes this a
+no-op, never a failure. Never on a cluster the run joined: its other jobs' processes are not ours
+to reprioritise.
 """
 
 from __future__ import annotations
@@ -23,13 +26,28 @@ import os
 import threading
 
 import psutil
+import ray
 
 logger = logging.getLogger("elastic_train")
 
 HELPER_NICE = 19  # the lowest priority: a helper runs when a core would otherwise idle
 TRAINING_NICE = 0  # where permitted; else Ray's worker niceness (15) stays
 TRAINING_TITLE = "RayTrainWorker"
-IDLE_TITLE = "ray::IDLE"
+# the actors of Ray Train 2.60 and Ray's node agents (ray::<class>.<method> while one runs), and ours
+HELPER_TITLES = tuple(f"ray::{name}" for name in (
+    "TrainController", "PreemptionWatcher", "PlacementGroupCleaner", "SynchronizationActor",
+    "TrainStateActor", "DatasetManager", "_AutoscalingCoordinatorActor", "DashboardAgent",
+    "RuntimeEnvAgent", "RunLog"))
+RAY_DIR = os.path.dirname(ray.__file__)  # Ray's daemons run programs from its package
+
+
+def is_helper(cmdline: list[str]) -> bool:
+    """Ray's daemons and helper actors: not training, not data, not idle, not the user's."""
+    if not cmdline:
+        return False
+    if cmdline[0].startswith(HELPER_TITLES):
+        return True
+    return any(arg.startswith(RAY_DIR) for arg in cmdline[:2])  # gcs_server, raylet, python x.py
 
 
 class TrainFirst:
@@ -64,19 +82,19 @@ class TrainFirst:
         except psutil.Error:
             return changed
         for proc in procs:
-            title = ""
+            cmdline: list[str] = []
             try:
-                title = " ".join(proc.cmdline())
+                cmdline = proc.cmdline()
                 nice = proc.nice()
-                if TRAINING_TITLE in title:
+                if cmdline and cmdline[0].startswith(f"ray::{TRAINING_TITLE}"):
                     if self.can_raise and nice > TRAINING_NICE:
                         proc.nice(TRAINING_NICE)
                         changed["training"] += 1
-                elif IDLE_TITLE not in title and nice < HELPER_NICE:
+                elif is_helper(cmdline) and nice < HELPER_NICE:
                     proc.nice(HELPER_NICE)
                     changed["helpers"] += 1
             except psutil.AccessDenied:
-                if TRAINING_TITLE in title:
+                if cmdline and TRAINING_TITLE in cmdline[0]:
                     self.can_raise = False  # not permitted here: training stays at Ray's niceness
             except psutil.Error:
                 pass  # a process that ended between the listing and the call
