@@ -388,6 +388,7 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
                   verbose: bool = False, pg_cleaner: bool = True) -> TorchTrainer:
     """`pg_cleaner=False`: without Ray's placement-group cleaner (see `Trainer`)."""
     s = cfg.scaling
+    in_place = cfg.fault.recovery == "in_place"
     tables = data_tables(cfg, info)
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
@@ -398,8 +399,7 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
         storage = os.path.abspath(os.path.expanduser(storage))
     trainer = Trainer(
         train_loop_per_worker=train_worker,
-        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo",
-                                 timeout_s=s.collective_timeout_s),
+        torch_config=torch_config(cfg),
         train_loop_config={"config": cfg.to_dict(), "runlog": runlog,
                            "block_table": tables.train, "eval_table": tables.eval,
                            "extra_columns": extra_columns(info), "model_fn": model_fn,
@@ -410,7 +410,8 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
         ),
         run_config=RunConfig(
             name=cfg.run.name, storage_path=storage,
-            failure_config=FailureConfig(max_failures=s.max_failures),
+            # in place, every replacement of a lost worker counts as a failure in Ray: unlimited
+            failure_config=FailureConfig(max_failures=-1 if in_place else s.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             logging_config=ray_train_logging(verbose),
             worker_runtime_env={"env_vars": nccl_env(cfg)},
@@ -418,6 +419,17 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
     )
     trainer.pg_cleaner = pg_cleaner
     return trainer
+
+
+def torch_config(cfg: Config) -> TorchConfig:
+    """Ray's process-group setup: one group of all workers (restart), or one per worker with a
+    torchft lighthouse (in_place: inplace.py)."""
+    s = cfg.scaling
+    if cfg.fault.recovery == "in_place":
+        from elastic_train.inplace import torch_config as in_place_config
+
+        return in_place_config(cfg)
+    return TorchConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s)
 
 
 class Trainer(TorchTrainer):

@@ -157,6 +157,10 @@ class CheckpointConfig:
 
 @dataclass
 class FaultConfig:
+    # after a worker dies: restart (Ray restarts the whole group from the last committed
+    # checkpoint; resizes too) | in_place (torchft: the others train on at once, taking over its
+    # data partitions; Ray replaces it and it heals from a live peer; fixed worker count)
+    recovery: str = "restart"
     crash_at_step: int | None = None  # test hook: that rank's process dies hard once at this step
     crash_rank: int = 0
     crash_in_checkpoint: bool = False  # die in the middle of writing the checkpoint of that step
@@ -172,6 +176,9 @@ class FaultConfig:
     # this step until a joining node asks for a checkpoint, takes it after the next step, then
     # holds a step later until Ray replaces the group at its new size
     hold_for_resize_at_step: int | None = None
+    # test hook (in place: a replacement that surely joins before the run ends): the other ranks
+    # wait after this step until a replacement has joined the run
+    wait_for_replacement_at_step: int | None = None
 
 
 @dataclass
@@ -412,6 +419,8 @@ def validate(cfg: Config) -> None:
     _validate_eval(cfg.eval, cfg.checkpoint)
     _validate_model(cfg.model)
     _validate_fault(cfg.fault, s)
+    if cfg.fault.recovery == "in_place":
+        _validate_in_place(cfg)
     _require(
         cfg.log.progress in ("auto", "bar", "lines", "none"),
         f"log.progress must be auto, bar, lines or none, got {cfg.log.progress!r}",
@@ -540,7 +549,11 @@ def eval_enabled(e: EvalConfig) -> bool:
 
 
 def _validate_fault(f: FaultConfig, s: ScalingConfig) -> None:
-    for key in ("crash_at_step", "nan_at_step", "hang_at_step"):
+    _require(f.recovery in ("restart", "in_place"),
+             f"fault.recovery must be restart or in_place, got {f.recovery!r}")
+    _require(f.wait_for_replacement_at_step is None or f.recovery == "in_place",
+             "fault.wait_for_replacement_at_step is a test hook of fault.recovery=in_place")
+    for key in ("crash_at_step", "nan_at_step", "hang_at_step", "wait_for_replacement_at_step"):
         _at_least(f"fault.{key}", getattr(f, key), 1)
     for key in ("crash_rank", "nan_rank", "hang_rank", "slow_rank"):
         rank = getattr(f, key)
@@ -551,6 +564,26 @@ def _validate_fault(f: FaultConfig, s: ScalingConfig) -> None:
     _require((f.slow_rank is None) == (f.slow_step_s == 0),
              f"fault.slow_rank ({f.slow_rank}) and fault.slow_step_s ({f.slow_step_s}) go together: "
              "set both (a rank and a sleep > 0) or neither")
+
+
+def _validate_in_place(cfg: Config) -> None:
+    """What in-place recovery (inplace.py) does not do (yet), refused by name."""
+    s, t = cfg.scaling, cfg.train
+    _require(s.min_workers == s.max_workers,
+             f"fault.recovery=in_place needs a fixed worker count (scaling.min_workers="
+             f"{s.min_workers}, scaling.max_workers={s.max_workers}): Ray 2.60 replaces a lost "
+             "replica in place only at an unchanged size")
+    _require(t.grad_reduce in ("auto", "exact"),
+             f"fault.recovery=in_place reduces exactly (float64, through torchft); "
+             f"train.grad_reduce={t.grad_reduce} is not supported")
+    _require(t.precision != "fp16", "fault.recovery=in_place does not support train.precision=fp16 "
+                                    "(a grad scaler's state is not healed yet): use bf16")
+    _require(not eval_enabled(cfg.eval),
+             "fault.recovery=in_place does not evaluate yet: set eval.fraction=0 and no eval.path")
+    _require(cfg.data.reader == "pyarrow",
+             f"fault.recovery=in_place reads with data.reader=pyarrow; got {cfg.data.reader!r}")
+    _require(cfg.fault.hold_for_resize_at_step is None,
+             "fault.hold_for_resize_at_step is a test hook of elastic resizes (restart mode)")
 
 
 def _validate_model(m: ModelConfig) -> None:

@@ -190,10 +190,13 @@ class ExactGradSum:
     small elements, which the fp32 gradient keeps.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, extra: int = 0) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float64,
-                                device=device)
+        numel = sum(p.numel() for p in self.params)
+        # `extra` float64 slots after the gradients: numbers that ride in the same all-reduce
+        # (in-place recovery reduces everything of a step in one fault-tolerant collective)
+        self.buffer = torch.zeros(numel + extra, dtype=torch.float64, device=device)
+        self.flat, self.extra = self.buffer[:numel], self.buffer[numel:]
         self.views, offset = [], 0
         for p in self.params:
             self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
@@ -210,9 +213,14 @@ class ExactGradSum:
         """All-reduce the sums and leave them in `.grad` (fp32), ready for clipping and the step."""
         if _distributed():
             _all_reduce(self.flat)
+        self.set_grads()
+
+    def set_grads(self, divisor: float | None = None) -> None:
+        """The (reduced) sums, divided by `divisor` in float64 if given, into `.grad`; the
+        buffer is zeroed for the next step."""
         for p, acc in zip(self.params, self.views, strict=True):
-            p.grad = acc.to(p.dtype, copy=True)
-        self.flat.zero_()
+            p.grad = (acc if divisor is None else acc / divisor).to(p.dtype, copy=True)
+        self.buffer.zero_()
 
     @staticmethod
     def broadcast_parameters(model: torch.nn.Module) -> None:
@@ -276,20 +284,32 @@ def forward_backward(
     world_size / global_targets, since DDP averages over ranks, and DDP syncs only on the last
     backward.
     """
-    ddp = isinstance(model, DistributedDataParallel)
-    exact, scaler, device = setup.exact, setup.scaler, setup.device
+    exact, scaler = setup.exact, setup.scaler
     scale = (1.0 if exact is not None else setup.world_size) / max(global_targets, 1.0)
-    backward = (lambda x: scaler.scale(x).backward()) if scaler is not None else torch.Tensor.backward
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    targets = 0.0
     if not micro_batches and exact is None:
         # This rank's partitions ran dry in the epoch's last steps: join DDP's all-reduce with a
         # zero gradient, through the user's model and loss (DDP's reducer is prepared as usual).
-        with autocast_context(setup.precision, device):
+        with autocast_context(setup.precision, setup.device):
             dry = dry_rank_batch(dry_template, setup.pad_id, setup.extra_columns)
-            loss_sum, _ = model(dry.to_batch(device))
-        backward(loss_sum * 0.0)
-        return total, targets
+            loss_sum, _ = model(dry.to_batch(setup.device))
+        (scaler.scale(loss_sum * 0.0) if scaler is not None else loss_sum * 0.0).backward()
+        return torch.zeros((), dtype=torch.float64, device=setup.device), 0.0
+    total, targets = accumulate(model, micro_batches, setup=setup, scale=scale, step=step)
+    if exact is not None:
+        exact.finish()  # an empty rank joins the all-reduce with zeros
+    return total, targets
+
+
+def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], *, setup: StepSetup,
+               scale: float, step: int) -> tuple[torch.Tensor, float]:
+    """Forward and backward each micro-batch (its loss sum times `scale`), its random ops seeded by
+    (seed, step, partition); with `setup.exact` each gradient goes into the float64 sum at once,
+    in DDP only the last backward syncs. Returns (loss sum in float64, targets)."""
+    ddp = isinstance(model, DistributedDataParallel)
+    exact, scaler, device = setup.exact, setup.scaler, setup.device
+    backward = (lambda x: scaler.scale(x).backward()) if scaler is not None else torch.Tensor.backward
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    targets = 0.0
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         if setup.seed is not None:
@@ -302,8 +322,6 @@ def forward_backward(
             exact.add_grads()
         total += loss_sum.detach().double()
         targets += float(n_targets)
-    if exact is not None:
-        exact.finish()  # an empty rank joins the all-reduce with zeros
     return total, targets
 
 
@@ -444,12 +462,13 @@ class Training:
 
 
 def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
-                   loss_fn: LossFn | None = None) -> Training:
+                   loss_fn: LossFn | None = None, reduce_extra: int = 0) -> Training:
     """Resolve the reduction, build the model, move it to the device, then build the optimizer
     and restore the latest checkpoint. The order matters: the reduction decides whether the model
     goes into DDP, and a resumed run keeps the one its checkpoint names; on a GPU,
     `Optimizer.load_state_dict` puts the state on the device of the parameters it finds, so it
-    must find them on the GPU already."""
+    must find them on the GPU already. `reduce_extra`: float64 slots after the gradient in the
+    exact reduction's buffer (in-place recovery: inplace.py)."""
     torch.manual_seed(cfg.train.seed)
     ckpt_dir = env.latest_checkpoint_dir()
     choice = resolve_reduce(cfg, env, ckpt_dir)
@@ -478,7 +497,7 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     reducer = None
     if exact:
         ExactGradSum.broadcast_parameters(raw_model)
-        reducer = ExactGradSum(raw_model, env.device)
+        reducer = ExactGradSum(raw_model, env.device, extra=reduce_extra)
     if cfg.train.compile:
         model = torch.compile(model)
     setup = StepSetup(
@@ -493,6 +512,8 @@ def resolve_reduce(cfg: Config, env: WorkerEnv, ckpt_dir: str | None) -> ReduceC
     """`train.grad_reduce` for this attempt: the choice the checkpoint names if the run made one
     (config.choose_grad_reduce), and a compression setting it cannot honour refused (ConfigError;
     the driver refuses it before any worker starts when it can)."""
+    if cfg.fault.recovery == "in_place":  # one fault-tolerant all-reduce of float64 sums
+        return ReduceChoice("exact", "fault.recovery=in_place")
     saved = read_state(ckpt_dir)["train_state"].get("grad_reduce") if ckpt_dir else None
     choice = choose_grad_reduce(cfg.train, env.device.type == "cuda", saved)
     check_compression(cfg.train, choice)

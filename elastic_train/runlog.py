@@ -95,6 +95,10 @@ class RunLog:
         self.fatal: str | None = None
         self.checkpoint_request: str | None = None
         self.requested_step: int | None = None
+        self.group_token: str | None = None  # in-place recovery: the group start of the attempt
+        self.group_ready: set[int] = set()  # ... its workers ready for their first quorum
+        self.finished_step: int | None = None  # ... and where its training ended
+        self.replacements = 0  # ... and how many lost workers were replaced in place
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
         # The driver starts the RunLog as the fit starts; the run folder is `<storage>/<run.name>`.
@@ -107,6 +111,34 @@ class RunLog:
         self.folder.write("attempts.json", json.dumps(self.attempts))
         self.metrics.on_attempt(len(self.attempts) - 1, world_size)
         return len(self.attempts) - 1
+
+    def begin_group_attempt(self, token: str, world_size: int) -> int:
+        """In-place recovery: every worker of a group start asks with the same token (inplace.py);
+        the first begins the attempt, the others get its index."""
+        if self.group_token != token:
+            self.group_token, self.finished_step, self.group_ready = token, None, set()
+            self.begin_attempt(world_size)
+        return len(self.attempts) - 1
+
+    def ready_in_group(self, token: str, world_rank: int) -> int:
+        """In-place recovery: a worker of a group start is ready for its first quorum; returns
+        how many are (they start together, or the first would train the run alone)."""
+        if self.group_token == token:
+            self.group_ready.add(world_rank)
+        return len(self.group_ready)
+
+    def join_attempt(self) -> int:
+        """In-place recovery: a replacement joins the current attempt (no restart)."""
+        self.replacements += 1
+        return max(len(self.attempts) - 1, 0)
+
+    def mark_finished(self, step: int) -> None:
+        self.finished_step = step if self.finished_step is None else max(self.finished_step, step)
+
+    def run_state(self) -> dict[str, Any]:
+        """The step the run finished at (None while it trains) and the latest logged step."""
+        return {"finished_step": self.finished_step, "replacements": self.replacements,
+                "latest_step": None if self.latest is None else self.latest["step"]}
 
     def log_step(self, record: dict[str, Any]) -> None:
         self.latest = record

@@ -196,12 +196,13 @@ def reduce_figures(events: list[dict]) -> dict:
 
 def read_figures(events: list[dict], rows_trained: int) -> dict:
     """`read_amplification`: rows read from storage by all ranks of all attempts / rows trained
-    (each rank logs its running count; the last one of each (attempt, rank) counts), and the rows
+    (each process logs its running count; the last one of each (attempt, rank, process) counts: in
+    place, a replacement shares its attempt and rank with the process it replaced), and the rows
     and bytes read per (attempt, rank)."""
-    last: dict[tuple[int, int], dict] = {}
+    last: dict[tuple[int, int, int | None], dict] = {}
     for e in events:
         if e.get("event") == "data_read":
-            last[(e["attempt"], e["rank"])] = e
+            last[(e["attempt"], e["rank"], e.get("pid"))] = e
     rows_read = sum(e["rows_read"] for e in last.values())
     balance = [e["partition_balance"] for e in events if e.get("event") == "epoch_plan"]
     utilisation = {e["world_size"]: e["utilisation"] for e in events

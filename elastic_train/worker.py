@@ -28,6 +28,7 @@ from elastic_train import raycompat
 from elastic_train.blocks import BlockTable
 from elastic_train.checkpoint import BestCheckpointWriter, write_checkpoint
 from elastic_train.config import ConfigError, FaultConfig, config_from_dict
+from elastic_train.inplace import GROUP_ENV, JOINING
 from elastic_train.provenance import versions
 from elastic_train.rowgroups import DataError
 from elastic_train.watchdog import StepWatchdog, Verdict
@@ -86,6 +87,8 @@ class RayWorkerEnv:
         self._step_intervals: deque[float] = deque(maxlen=8)  # ... and the times between
         self._preemption_seen = None  # the drain notice already acted on ...
         self._late_saved = False  # ... and whether its last checkpoint before the deadline was
+        self.group = os.environ.get(GROUP_ENV)  # in-place recovery: the group start's token, or JOINING
+        self.collective_timeout_s = watchdog.timeout_s
 
     # -- model, data, checkpoints --------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module,
@@ -115,10 +118,14 @@ class RayWorkerEnv:
                 self.last_saved_step = json.load(f)["train_state"]["step"]
         return local
 
-    def save_checkpoint(self, snap: dict, step: int, final: bool) -> None:
+    def save_checkpoint(self, snap: dict | None, step: int, final: bool) -> None:
         """Every rank reports (a barrier) with its share of the checkpoint, written in the
-        background into the same checkpoint folder."""
+        background into the same checkpoint folder (`snap` None: this rank has no share)."""
         if step == self.last_saved_step:
+            return
+        if snap is None:
+            self.last_saved_step = step
+            ray.train.report({"step": step})
             return
         previous, self.last_saved_step = self.last_saved_step, step
         crash = (
@@ -222,6 +229,14 @@ class RayWorkerEnv:
 
     # -- logging ---------------------------------------------------------------------------------
     def begin_attempt(self) -> int:
+        if self.group is not None:  # in-place recovery: no collective across the replicas
+            if self.joining:
+                self.attempt = ray.get(self.runlog.join_attempt.remote())
+                self.log_event({"event": "replacement_joined", "attempt": self.attempt})
+            else:
+                self.attempt = ray.get(self.runlog.begin_group_attempt.remote(self.group, self.world_size))
+                self._wait_for_group()
+            return self.attempt
         attempt = None
         if self.world_rank == 0:
             attempt = ray.get(self.runlog.begin_attempt.remote(self.world_size))
@@ -230,6 +245,32 @@ class RayWorkerEnv:
 
     def log_step(self, record: dict[str, Any]) -> None:
         self.runlog.log_step.remote(record)
+
+    def _wait_for_group(self) -> None:
+        """In place: the workers of a group start meet before their first quorum, or the first
+        one up would train alone (a quorum of one is valid) and the others start far behind.
+        Bounded by scaling.collective_timeout_s (a worker lost before it is ready)."""
+        deadline = time.monotonic() + self.collective_timeout_s
+        while ray.get(self.runlog.ready_in_group.remote(self.group, self.world_rank)) < self.world_size:
+            if time.monotonic() > deadline:
+                self.log_event({"event": "group_start_incomplete"})
+                return
+            time.sleep(0.05)
+
+    # -- in-place recovery (inplace.py) ----------------------------------------------------------
+    @property
+    def joining(self) -> bool:
+        """This worker replaces a lost replica of a running group."""
+        return self.group == JOINING
+
+    def run_finished(self) -> int | None:
+        return ray.get(self.runlog.run_state.remote())["finished_step"]
+
+    def latest_step(self) -> int | None:
+        return ray.get(self.runlog.run_state.remote())["latest_step"]
+
+    def mark_finished(self, step: int) -> None:
+        ray.get(self.runlog.mark_finished.remote(step))
 
     def log_event(self, record: dict[str, Any]) -> Any:
         return self.runlog.log_event.remote({**self.whereabouts, **record})
@@ -275,6 +316,10 @@ class RayWorkerEnv:
             time.sleep(f.slow_step_s)
         if f.hold_for_resize_at_step is not None and self.world_rank == 0:
             self._hold_for_resize(step, f.hold_for_resize_at_step)
+        if f.wait_for_replacement_at_step == step and self.world_rank != f.crash_rank:
+            ray.get(self.log_event({"event": "waiting_for_replacement", "step": step}))
+            while not ray.get(self.runlog.run_state.remote())["replacements"]:
+                time.sleep(0.1)
         hang = f.hang_at_step == step and f.hang_rank == self.world_rank
         if hang and ray.get(self.runlog.claim_fault.remote(f"hang@{step}")):
             ray.get(self.log_event({"event": "hang_injected", "step": step}))
@@ -375,6 +420,7 @@ def train_worker(config: dict[str, Any]) -> None:
     """Entry point of every Ray Train worker (`train_loop_per_worker`)."""
     # Ray started this process, imported its modules and formed the process group before this.
     startup = {"process_start": psutil.Process().create_time(), "train_fn_start": time.time()}
+    from elastic_train.inplace import in_place_loop
     from elastic_train.loop import ModelTooLargeError, NonFiniteError, train_loop
 
     cfg = config_from_dict(config["config"])
@@ -389,7 +435,8 @@ def train_worker(config: dict[str, Any]) -> None:
         return  # an earlier attempt found what stops this run (see below)
     watchdog.start(env.on_verdict)
     try:
-        train_loop(cfg, env, config.get("model_fn"), config.get("loss_fn"))
+        loop = in_place_loop if cfg.fault.recovery == "in_place" else train_loop
+        loop(cfg, env, config.get("model_fn"), config.get("loss_fn"))
     except (ModelTooLargeError, DataError, ConfigError) as exc:
         # A restart would fail the same way: the RunLog keeps the reason, which the driver reports
         # as the failure; raising makes Ray stop the other ranks (which may wait in a collective),

@@ -1,0 +1,370 @@
+"""In-place recovery (`fault.recovery=in_place`): a lost worker is replaced while the others train on.
+
+Each Ray Train worker is a torchft replica group of one (Ray's `TorchftConfig`: a lighthouse actor
+forms a quorum of the live replicas before every step). A step is still all K canonical partitions
+(plan.py), whatever the number of live replicas: the quorum's participants own them by their rank
+among the participants, so when a worker dies the survivors take its partitions over at the next
+step, from the cursors every replica holds. Everything a step exchanges rides in one float64 SUM
+all-reduce through the torchft Manager: the gradient sums (`loop.ExactGradSum`), the loss and
+target counts, the token and row counts, and every partition's cursor after the step. The gradient
+is divided by the summed target count after the reduce, so a step's update is the same to the bit
+at any number of participants. A step whose all-reduce failed (a peer died in it) is not committed
+(`should_commit`): nothing changes, and the next quorum trains it again from the same cursors, so
+every sample is trained exactly once. A replacement that Ray starts heals from a live peer inside
+the quorum (torchft's checkpoint transport: model, optimizer, counters and all cursors) and takes
+part in the same step.
+
+What stays as in `restart` mode: checkpoints (now written by one replica, whole, and reported by
+every worker only at steps where every worker took part), so that a whole-cluster loss or a run
+resumed by name continues from them; metrics, events and consumed ids through the RunLog.
+
+Ray 2.60 replaces a failing replica group in place only while the worker count is unchanged, and
+turns its preemption watcher off in this mode: runs in this mode have a fixed worker count
+(config.py refuses min != max), and a drained node is a death like any other.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from ray.train.v2._internal.execution.worker_group import ReplicaGroup
+from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
+from torch.distributed import ReduceOp
+
+from elastic_train.blocks import BlockReader, Cursor, PartitionStream, make_reader
+from elastic_train.checkpoint import snapshot
+from elastic_train.config import Config, num_partitions
+from elastic_train.data import MicroBatch
+from elastic_train.loop import (
+    Training,
+    TrainState,
+    WorkerEnv,
+    _log_reads,
+    accumulate,
+    build_training,
+    optimizer_step,
+)
+from elastic_train.losses import LossFn
+from elastic_train.model import ModelFn, count_parameters, input_embedding_rows, model_flops_per_token
+from elastic_train.optim import lr_at, set_lr
+from elastic_train.plan import StreamSpec, assign_blocks, owned_partitions
+
+GROUP_ENV = "ELASTIC_TRAIN_GROUP"  # set by InPlaceBackend: a group start's token, or JOINING
+JOINING = "join"
+# The step's numbers that ride after the gradient in its one all-reduce; then (window, taken) of
+# every partition's cursor after the step (summed: each partition has one owner).
+SLOTS = ("loss", "targets", "real", "padded", "rows", "micro_batches")
+STALE_POLL_S = 0.2  # a joiner alone behind the run: how often it looks for its peers again
+HEARTBEAT_TIMEOUT_MS = 1000
+JOIN_TIMEOUT_MS = 3000
+
+
+class PartitionPool:
+    """The partitions this replica trains at a step, each read from the committed cursor on.
+
+    Ownership changes with the quorum, so streams are opened per partition: a partition whose
+    stream already stands at the asked cursor goes on from it, any other is opened there (at
+    most one window read again). A step that was not committed asks again for the same cursors."""
+
+    def __init__(self, reader: BlockReader, spec: StreamSpec, pad_id: int) -> None:
+        self.reader, self.spec, self.pad_id = reader, spec, pad_id
+        self.epoch = -1
+        self.streams: list[PartitionStream] = []
+        self.open: dict[int, tuple[Cursor, Iterator[tuple[MicroBatch, Cursor]]]] = {}
+
+    def at_epoch(self, epoch: int) -> None:
+        if epoch == self.epoch:
+            return
+        assignment = assign_blocks(self.reader.table.tokens, self.spec.num_partitions,
+                                   self.spec.seed, epoch)
+        self.streams = [PartitionStream(p, assignment[p], self.spec, epoch, self.reader, self.pad_id)
+                        for p in range(self.spec.num_partitions)]
+        self.epoch, self.open = epoch, {}
+
+    def epoch_over(self, cursors: dict[int, Cursor]) -> bool:
+        return all(cursors.get(s.partition, (0, 0)) == s.done for s in self.streams)
+
+    def take(self, partitions: list[int], cursors: dict[int, Cursor]
+             ) -> tuple[list[MicroBatch], dict[int, Cursor]]:
+        """One micro-batch of each of `partitions` that has one left, and their cursors after."""
+        batches, after = [], {}
+        for p in partitions:
+            cursor = cursors.get(p, (0, 0))
+            held = self.open.pop(p, None)
+            if cursor == self.streams[p].done:
+                after[p] = cursor
+                continue
+            it = held[1] if held is not None and held[0] == cursor else self.streams[p].iter_from(cursor)
+            item = next(it, None)
+            if item is None:
+                after[p] = self.streams[p].done
+                continue
+            mb, after[p] = item
+            batches.append(mb)
+            self.open[p] = (after[p], it)
+        for p in [p for p in self.open if p not in partitions]:
+            del self.open[p]
+        return batches, after
+
+
+def state_cursors(state: TrainState) -> dict[int, Cursor]:
+    return {int(p): (c[0], c[1]) for p, c in state.cursors.items()}
+
+
+@dataclass
+class Replica:
+    """This worker's torchft Manager, and the state a joining replica heals from."""
+
+    t: Training
+    manager: Any = None
+    healed_from_step: int | None = None  # set by a heal (the peer's step)
+    heals: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.t
+        return {"model": t.raw_model.state_dict(), "optim": t.optimizer.state_dict(),
+                "train_state": asdict(t.state)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        t = self.t
+        t.raw_model.load_state_dict(sd["model"])
+        t.optimizer.load_state_dict(sd["optim"])
+        t.state = TrainState(**sd["train_state"])
+        self.healed_from_step, self.heals = t.state.step, self.heals + 1
+
+
+def start_manager(cfg: Config, env: WorkerEnv, replica: Replica) -> Any:
+    """A Manager for this worker as a replica group of one, at the restored step. The quorum is
+    synchronous (a joining replica heals before the forward and takes part in the same step); the
+    process group's timeout bounds how long a hung (not dead) peer blocks a step."""
+    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    timeout = timedelta(seconds=cfg.scaling.collective_timeout_s)
+    pg = ProcessGroupNCCL(timeout=timeout) if env.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+    manager = Manager(
+        pg=pg, min_replica_size=1, load_state_dict=replica.load_state_dict,
+        state_dict=replica.state_dict, use_async_quorum=False, timeout=timeout,
+        quorum_timeout=timeout, rank=0, world_size=1,
+        replica_id=f"{cfg.run.name}_{env.world_rank}_{uuid.uuid4().hex[:8]}",
+        checkpoint_transport=PGTransport(pg, timeout=timeout, device=env.device))
+    step = replica.t.state.step
+    manager.load_state_dict({"step": step, "batches_committed": step})
+    replica.manager = manager
+    return manager
+
+
+def in_place_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
+                  loss_fn: LossFn | None = None) -> None:
+    """Run (or resume) training on this worker as one replica among the live ones."""
+    k = num_partitions(cfg)
+    t = build_training(cfg, env, model_fn, loss_fn, reduce_extra=len(SLOTS) + 2 * k)
+    reducer = t.setup.exact
+    replica = Replica(t)
+    manager = start_manager(cfg, env, replica)
+    attempt = env.begin_attempt()
+    reader = make_reader("pyarrow", env.block_table, env.extra_columns,
+                         input_embedding_rows(t.raw_model))
+    spec = StreamSpec(k, cfg.data.micro_batch_tokens, cfg.data.shuffle_window, cfg.data.seed,
+                      cfg.data.bucketing)
+    pool = PartitionPool(reader, spec, cfg.data.pad_id or 0)
+    flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len,
+                                            count_parameters(t.raw_model))
+    env.log_event({"event": "start", "attempt": attempt, "world_size": env.world_size,
+                   "resumed_step": t.state.step, "rank": env.world_rank, "recovery": "in_place",
+                   "joining": env.joining})
+    committed_here = 0  # steps this process committed
+    quorum_id, participants, prank = None, None, None
+    stale_deadline = time.monotonic() + cfg.scaling.collective_timeout_s
+    while True:
+        if _advance(t.state, cfg, pool):
+            break
+        env.step_began(t.state.step + 1)
+        t0 = time.perf_counter()
+        manager.start_quorum()
+        if replica.healed_from_step is not None:
+            age_s = time.time() - env.startup.get("process_start", time.time())
+            env.log_event({"event": "healed", "step": replica.healed_from_step,
+                           "process_age_s": round(age_s, 3)})
+            replica.healed_from_step = None
+            if _advance(t.state, cfg, pool):  # a peer's state (never past the end: it is here)
+                break
+        n, prank = manager.num_participants(), manager.participating_rank()
+        if env.joining and not committed_here and not replica.heals and n == 1 \
+                and time.monotonic() < stale_deadline:
+            # A replacement alone in its quorum: either the others are mid-step (they come to the
+            # next quorum) or the run ended while this one started: never train the run again.
+            # (Past the deadline it trains: every other replica was lost too.)
+            if _stale(env, t.state):
+                manager.report_error(RuntimeError("a replacement alone, behind the run"))
+                manager.should_commit()  # False: the step count stays as it was
+                env.step_ended(None)
+                if env.run_finished() is not None:
+                    break
+                time.sleep(STALE_POLL_S)
+                continue
+        if (manager._quorum_id, n) != (quorum_id, participants):
+            quorum_id, participants = manager._quorum_id, n
+            env.log_event({"event": "quorum", "step": t.state.step + 1, "participants": n,
+                           "participating_rank": prank, "quorum_id": quorum_id})
+        state = t.state
+        partitions = owned_partitions(prank, n, k) if prank is not None else []
+        t_data = time.perf_counter()
+        micro_batches, after = pool.take(partitions, state_cursors(state))
+        wait_s = time.perf_counter() - t_data
+        lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
+        set_lr(t.optimizer, lr)
+        t.optimizer.zero_grad(set_to_none=True)
+        loss, targets = accumulate(t.model, micro_batches, setup=t.setup, scale=1.0, step=state.step)
+        extra = reducer.extra
+        extra[: len(SLOTS)] = torch.tensor(
+            [float(loss), targets, sum(mb.real_tokens for mb in micro_batches),
+             sum(mb.padded_tokens for mb in micro_batches), sum(len(mb.ids) for mb in micro_batches),
+             len(micro_batches)], dtype=torch.float64)
+        for p, (window, taken) in after.items():
+            extra[len(SLOTS) + 2 * p] = window
+            extra[len(SLOTS) + 2 * p + 1] = taken
+        t1 = time.perf_counter()
+        manager.allreduce(reducer.buffer, reduce_op=ReduceOp.SUM).wait()
+        if not manager.should_commit():
+            reducer.buffer.zero_()
+            t.optimizer.zero_grad(set_to_none=True)
+            env.log_event({"event": "step_not_committed", "step": state.step + 1,
+                           "participants": n, "error": repr(manager.errored())[:300]})
+            env.step_ended(None)
+            continue
+        sums = extra.tolist()
+        loss_sum, total_targets, real, padded, rows, n_mb = sums[: len(SLOTS)]
+        cursors = {str(p): [int(sums[len(SLOTS) + 2 * p]), int(sums[len(SLOTS) + 2 * p + 1])]
+                   for p in range(k)}
+        reducer.set_grads(divisor=max(total_targets, 1.0))
+        env.maybe_poison_gradient(t.raw_model, state.step + 1)
+        # every replica holds the same reduced gradient: the same norm and skip decision, no
+        # collective (the default process group is this replica group of one)
+        _, grad_norm, skipped = optimizer_step(t.raw_model, t.optimizer, None, cfg.train.grad_clip,
+                                               torch.tensor(loss_sum), env.device)
+        t2 = time.perf_counter()
+        if skipped:
+            state.skipped_steps += 1
+            state.consecutive_skips += 1
+            if state.consecutive_skips >= cfg.train.max_consecutive_skips:
+                env.handle_nonfinite(state.step + 1, micro_batches)
+        else:
+            state.consecutive_skips = 0
+        state.step += 1
+        state.step_in_epoch += 1
+        state.real_tokens += int(real)
+        state.padded_tokens += int(padded)
+        state.rows += int(rows)
+        state.cursors = cursors
+        committed_here += 1
+        env.log_consumed(attempt, state, micro_batches)
+        step_time_s = time.perf_counter() - t0
+        if prank == 0:
+            env.log_step({"step": state.step, "epoch": state.epoch, "time": time.time(),
+                          "attempt": attempt, "world_size": n, "loss": loss_sum / max(total_targets, 1.0),
+                          "lr": lr, "grad_norm": grad_norm, "real_tokens": int(real),
+                          "padded_tokens": int(padded), "step_time_s": step_time_s,
+                          "data_wait_s": wait_s, "quorum_s": t_data - t0,
+                          "forward_backward_s": t1 - t_data - wait_s, "optimizer_s": t2 - t1,
+                          "tokens_per_s": real / step_time_s,
+                          "mfu": flops_per_token * real / step_time_s / (cfg.log.peak_flops * n),
+                          "skipped": skipped, "rows": int(rows),
+                          "micro_batches": int(n_mb), "skipped_steps": state.skipped_steps,
+                          "recovery": "in_place"})
+        env.inject_faults(state.step)
+        env.step_ended(time.perf_counter() - t0)
+        every = cfg.checkpoint.every_steps
+        if every and state.step % every == 0 and n == env.world_size:
+            _log_reads(env, attempt, reader)
+            save_in_place(env, cfg, t, writer=prank == 0, final=False)
+    manager.shutdown(wait=False)
+    reader.close()
+    _log_reads(env, attempt, reader)
+    if env.joining and not committed_here:
+        # a replacement that found the run over joins the others' final report, without a share
+        env.save_checkpoint(None, env.run_finished(), final=True)
+        return
+    env.mark_finished(t.state.step)  # a replacement that starts from now on only reports
+    # the last step's first participant writes the final checkpoint (the first worker, if no step
+    # ran in this process)
+    save_in_place(env, cfg, t, writer=prank == 0 if committed_here else env.world_rank == 0,
+                  final=True)
+
+
+def _advance(state: TrainState, cfg: Config, pool: PartitionPool) -> bool:
+    """Move to the next epoch when every partition's cursor is at its end; True when the run is
+    over (max_steps or the last epoch). Every replica decides alike from the committed state."""
+    while state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
+        pool.at_epoch(state.epoch)
+        if not pool.epoch_over(state_cursors(state)):
+            return False
+        state.epoch, state.step_in_epoch, state.cursors = state.epoch + 1, 0, {}
+    return True
+
+
+def _stale(env: WorkerEnv, state: TrainState) -> bool:
+    """A replacement alone in its quorum is behind the run if the run has ended or its step is
+    behind the run's latest committed one (then a live peer exists, or existed)."""
+    if env.run_finished() is not None:
+        return True
+    latest = env.latest_step()
+    return latest is not None and latest > state.step
+
+
+def save_in_place(env: WorkerEnv, cfg: Config, t: Training, *, writer: bool, final: bool) -> None:
+    """Every worker reports (Ray's report is a barrier over all of them); one of them, `writer`,
+    with the whole state (one shard: every replica holds all of it, cursors of every partition
+    included), so a resume at any world size, in either mode, reads it."""
+    state = t.state
+    if state.step == env.last_saved_step:  # the final save right after a periodic one
+        return
+    snap = None
+    if writer:
+        snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),
+                        env.world_size, env.provenance, shard=0, shards=1)
+    t0 = time.perf_counter()
+    env.save_checkpoint(snap, state.step, final=final)
+    if writer:
+        env.log_event({"event": "checkpoint", "step": state.step, "final": final,
+                       "blocked_s": time.perf_counter() - t0})
+
+
+# -- the driver's side: Ray's TorchftConfig, told apart from a group start and a replacement ------
+
+class InPlaceBackend(_TorchftBackend):
+    """Ray's torchft backend, which also tells each worker (`GROUP_ENV`) whether it starts with
+    its whole group (a fresh token per group start) or replaces a lost replica (`JOINING`)."""
+
+    def on_start(self, worker_group, backend_config) -> None:
+        token = JOINING if isinstance(worker_group, ReplicaGroup) else uuid.uuid4().hex
+        worker_group.execute(_set_env, GROUP_ENV, token)
+        super().on_start(worker_group, backend_config)
+
+
+class InPlaceConfig(TorchftConfig):
+    @property
+    def backend_cls(self):
+        return InPlaceBackend
+
+
+def torch_config(cfg: Config) -> InPlaceConfig:
+    """The lighthouse forgets a replica whose heartbeats stop for 1 s (the survivors' next quorum
+    forms that soon after a death) and waits at most 3 s for a heartbeating replica to ask for a
+    quorum (a peer still in its step)."""
+    s = cfg.scaling
+    return InPlaceConfig(
+        lighthouse_kwargs={"min_replicas": 1, "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
+                           "join_timeout_ms": JOIN_TIMEOUT_MS},
+        backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s)
+
+
+def _set_env(name: str, value: str) -> None:
+    os.environ[name] = value

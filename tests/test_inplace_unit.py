@@ -1,0 +1,67 @@
+"""In-place recovery without Ray: the partition pool follows ownership changes step by step and
+gives exactly the micro-batches of the fixed plan; what the mode does not do is refused by name."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from test_plan import K, spec, table_of, write_rows
+
+from elastic_train import load_config
+from elastic_train.blocks import BlockReader, iter_rank_steps
+from elastic_train.config import ConfigError
+from elastic_train.inplace import PartitionPool
+from elastic_train.plan import owned_partitions
+
+pytestmark = pytest.mark.unit
+
+
+def test_pool_gives_the_plans_micro_batches_whatever_the_owners(tmp_path):
+    """Steps taken by 2, then 1 (a death), then 3 replicas, one step attempted and not committed:
+    every step's micro-batches are those of the fixed plan, in the same rows, to the end of the
+    epoch."""
+    write_rows(tmp_path, 900)
+    table, s = table_of(tmp_path), spec()
+    steps = iter_rank_steps(BlockReader(table), s, partitions=list(range(K)), epoch=0)
+    planned = [{mb.partition: mb.ids.tolist() for mb in step}
+               for step in itertools.takewhile(bool, (step for step, _ in steps))]
+    pools = [PartitionPool(BlockReader(table), s, 0) for _ in range(3)]
+    for pool in pools:
+        pool.at_epoch(0)
+    cursors: dict[int, tuple[int, int]] = {}
+    got = []
+    step = 0
+    while not pools[0].epoch_over(cursors):
+        live = 2 if step < 5 else 1 if step < 9 else 3
+        taken, after = {}, {}
+        for rank in range(live):
+            batches, mine = pools[rank].take(owned_partitions(rank, live, K), cursors)
+            taken.update({mb.partition: mb.ids.tolist() for mb in batches})
+            after.update(mine)
+        if step == 7 and len(got) == 7:  # this attempt's all-reduce failed: not committed
+            got.append(None)
+            continue
+        assert sorted(after) == list(range(K))
+        cursors = after
+        got.append(taken)
+        step += 1
+    assert [g for g in got if g is not None] == planned
+
+
+def test_in_place_refuses_what_it_does_not_do():
+    base = ["fault.recovery=in_place", "scaling.min_workers=2", "scaling.max_workers=2",
+            "checkpoint.keep_best=false"]
+    load_config(None, [*base, "eval.fraction=0"])
+    for extra, match in [
+        (["scaling.max_workers=3"], "fixed worker count"),
+        (["train.grad_reduce=ddp"], "train.grad_reduce=ddp is not supported"),
+        (["eval.fraction=0.1"], "does not evaluate yet"),
+        (["eval.fraction=0", "data.reader=ray_data"], "data.reader=pyarrow"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, [*base, *extra])
+    with pytest.raises(ConfigError, match="fault.recovery must be restart or in_place"):
+        load_config(None, ["fault.recovery=sometimes"])
+    with pytest.raises(ConfigError, match="test hook of fault.recovery=in_place"):
+        load_config(None, ["fault.wait_for_replacement_at_step=3"])
