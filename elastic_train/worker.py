@@ -88,7 +88,7 @@ class RayWorkerEnv:
         self._preemption_seen = None  # the drain notice already acted on ...
         self._late_saved = False  # ... and whether its last checkpoint before the deadline was
         self.group = os.environ.get(GROUP_ENV)  # in-place recovery: the group start's token, or JOINING
-        self.collective_timeout_s = watchdog.timeout_s
+        self.collective_timeout_s = watchdog.timeout_s  # in place: the group start's longest wait
 
     # -- model, data, checkpoints --------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module,
@@ -318,8 +318,10 @@ class RayWorkerEnv:
             self._hold_for_resize(step, f.hold_for_resize_at_step)
         if f.wait_for_replacement_at_step == step and self.world_rank != f.crash_rank:
             ray.get(self.log_event({"event": "waiting_for_replacement", "step": step}))
+            self.step_ended(None)  # a wait for an event, not a hang: out of the watchdog's sight
             while not ray.get(self.runlog.run_state.remote())["replacements"]:
                 time.sleep(0.1)
+            self.step_began(step)
         hang = f.hang_at_step == step and f.hang_rank == self.world_rank
         if hang and ray.get(self.runlog.claim_fault.remote(f"hang@{step}")):
             ray.get(self.log_event({"event": "hang_injected", "step": step}))
@@ -427,7 +429,11 @@ def train_worker(config: dict[str, Any]) -> None:
     if not cfg.scaling.use_gpu:
         torch.set_num_threads(cfg.scaling.torch_threads)
     _make_nccl_dump_folder()
-    watchdog = StepWatchdog(cfg.scaling.collective_timeout_s, cfg.scaling.slow_step_factor)
+    # in place, one step may wait out three timeouts (its quorum, its all-reduce with a hung peer,
+    # the commit vote) before the survivors go on without the peer: only a step past them all is
+    # this worker's own hang
+    waits = 3 if cfg.fault.recovery == "in_place" else 1
+    watchdog = StepWatchdog(waits * cfg.scaling.collective_timeout_s, cfg.scaling.slow_step_factor)
     env = RayWorkerEnv(cfg.fault, cfg.data.record_ids, config["runlog"], config["block_table"],
                        watchdog, tuple(config["extra_columns"]), config.get("eval_table"),
                        config.get("provenance"), startup)

@@ -5,16 +5,19 @@ the run is the same to the bit as one that was never interrupted, every sample o
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_hangs import MARGIN_S, SLOW_TEST_S, Freezer
 from test_train_ray import assert_same_training, metrics, read_events, run
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.ray
 
 IN_PLACE = ["fault.recovery=in_place", "train.epochs=2", "train.max_steps=1000"]
+TIMEOUT_S = 15  # scaling.collective_timeout_s of the frozen run
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,7 @@ def test_in_place_run_trains_every_id_once_at_two_workers(reference):
     assert s["grad_reduce_reason"] == "fault.recovery=in_place"
     recs = metrics(reference)
     assert {r["world_size"] for r in recs} == {2}
-    assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))
+    assert sorted(r["step"] for r in recs) == list(range(1, len(recs) + 1))  # each step once
     assert {r["epoch"] for r in recs} == {0, 1} and s["final_loss"] < 0.8 * s["first_loss"]
     ids = [i for f in (Path(reference.run_dir) / "consumed").glob("*.jsonl")
            for line in f.read_text().splitlines() for i in json.loads(line)["ids"]]
@@ -54,10 +57,50 @@ def test_survivor_trains_on_and_the_replacement_heals_and_joins(reference, small
     assert healed[0]["step"] >= 14  # from the survivor's live state, not the step-8 checkpoint
     # Every step trained once: alone from step 11 until the replacement joined, then at 2 again.
     recs = metrics(crashed)
-    assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))
+    assert sorted(r["step"] for r in recs) == list(range(1, len(recs) + 1))  # each step once
     sizes = {r["step"]: r["world_size"] for r in recs}
     assert {sizes[step] for step in range(11, 15)} == {1}
     assert sizes[healed[0]["step"] + 1] == 2 and sizes[len(recs)] == 2
     # The same ids at every step, the same losses and the same final weights as the uninterrupted
     # run, to the bit: a step's update does not depend on how many replicas computed it.
     assert_same_training(crashed, reference)
+
+
+@pytest.mark.timeout(SLOW_TEST_S)
+def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference, small_dataset,
+                                                                       tmp_path):
+    """Rank 1 SIGSTOPped at step 8 or a little later (a slowed rank 1 gives the test time): the
+    survivor's all-reduce gives up after scaling.collective_timeout_s, that step is trained again
+    alone, Ray's health check finds the frozen worker (the same timeout) and replaces it, and the
+    replacement heals and joins (rank 0 waits for it after step 16). No checkpoint until step 20:
+    a checkpoint is reported to Ray by every worker (a barrier), which would hold the survivor
+    until Ray has replaced the frozen worker (README: in-place recovery)."""
+    freezer = Freezer(tmp_path / "frozen", step=8)
+    watcher = threading.Thread(target=freezer.watch, daemon=True)
+    watcher.start()
+    try:
+        result = run(tmp_path, small_dataset, "frozen", *IN_PLACE,
+                     f"scaling.collective_timeout_s={TIMEOUT_S}",
+                     "fault.slow_rank=1", "fault.slow_step_s=0.3", "fault.crash_rank=1",
+                     "fault.wait_for_replacement_at_step=16", "checkpoint.every_steps=20")
+    finally:
+        leaked = freezer.release()
+        watcher.join()
+    assert freezer.stopped_at is not None, "the run ended before the test could freeze rank 1"
+    assert not leaked, "Ray left the frozen worker process behind"
+    s = result.summary
+    assert s["status"] == "finished" and s["restarts"] == 0 and s["replayed_steps"] == 0
+    events = read_events(result)
+    survivor = {e["pid"] for e in events if e.get("rank") == 0 and "pid" in e}
+    assert len(survivor) == 1, survivor
+    recs = metrics(result)
+    assert sorted(r["step"] for r in recs) == list(range(1, len(recs) + 1))  # each step once
+    alone = [r for r in recs if r["world_size"] == 1]
+    assert alone and max(recs, key=lambda r: r["step"])["world_size"] == 2
+    alone = sorted(alone, key=lambda r: r["step"])
+    detected_s = alone[0]["time"] - freezer.stopped_at
+    replaced_s = freezer.ended_at - freezer.stopped_at
+    print(f"\nSIGSTOP of rank 1 (collective_timeout_s={TIMEOUT_S}): the survivor's next committed "
+          f"step after {detected_s:.1f} s, the frozen process ended after {replaced_s:.1f} s")
+    assert detected_s < TIMEOUT_S + MARGIN_S
+    assert_same_training(result, reference)
