@@ -1,62 +1,168 @@
 """Recovery and checkpoint cost of elastic-train on a local Ray cluster (2 CPU workers).
 
-One run of the default model with a checkpoint every 10 steps; worker rank 1 dies hard
+Default: one run of the default model with a checkpoint every 10 steps; worker rank 1 dies hard
 (os._exit) after step 25. Reports: seconds from the death to the first step after the restart,
 steps lost (trained again), the loop's blocked seconds per checkpoint as a fraction of a step, and
-the goodput ledger.
+the goodput ledger. `--recovery in_place` runs the same with in-place recovery (torchft): the
+survivor's next committed step after the death, and the replacement's join.
 
-    .venv/bin/python benchmarks/recovery.py [--steps 40] [--crash-at 25] [--every 10]
+`--goodput`: for each mode (restart, then in_place), a run of `--steps` steps never interrupted,
+then the same run with worker rank 1's process killed (SIGKILL, from outside, as a lost machine)
+every `--crash-every` seconds; goodput = the uninterrupted run's training time / the faulty run's
+(first step to last), and the seconds from each kill to the next committed step.
+
+    .venv/bin/python benchmarks/recovery.py [--steps 40] [--crash-at 25] [--every 10] [--recovery in_place]
+    .venv/bin/python benchmarks/recovery.py --goodput [--steps 600] [--crash-every 60]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from elastic_train import load_config
 from elastic_train.api import train
 from elastic_train.summary import read_jsonl
 
+BASE = ["log.progress=none", "eval.fraction=0", "checkpoint.keep_best=false"]
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--crash-at", type=int, default=25)
-    p.add_argument("--every", type=int, default=10)
-    args = p.parse_args()
+
+def single_crash(args) -> dict:
     with tempfile.TemporaryDirectory() as storage:
         cfg = load_config(None, [
-            f"run.storage_path={storage}", "run.name=recovery", f"train.max_steps={args.steps}",
+            *BASE, f"run.storage_path={storage}", "run.name=recovery", f"train.max_steps={args.steps}",
             f"checkpoint.every_steps={args.every}", f"fault.crash_at_step={args.crash_at}",
-            "fault.crash_rank=1", "log.progress=none", "eval.fraction=0", "checkpoint.keep_best=false",
+            "fault.crash_rank=1", f"fault.recovery={args.recovery}",
         ])
         result = train(cfg)
         folder = Path(result.run_dir)
-        records = read_jsonl(folder / "metrics.jsonl")
+        records = sorted(read_jsonl(folder / "metrics.jsonl"), key=lambda r: r["time"])
         events = read_jsonl(folder / "events.jsonl")
     crash = next(e for e in events if e["event"] == "crash_injected")
-    after = [r for r in records if r["attempt"] == 1]
+    after = [r for r in records if r["time"] > crash["time"]]
     blocked = [e["blocked_s"] for e in events if e["event"] == "checkpoint" and not e["final"]]
     step_s = statistics.median(r["step_time_s"] for r in records)
     ledger = result.summary["ledger"]
+    joined = [e for e in events if e["event"] == "healed" and e["time"] > crash["time"]]
     figures = {
         "benchmark": "recovery",
+        "recovery": args.recovery,
         "death_to_first_step_s": after[0]["time"] - crash["time"],
-        "steps_lost": args.crash_at - (after[0]["step"] - 1),
+        "steps_lost": result.summary["replayed_steps"],
+        "death_to_replacement_joined_s": joined[0]["time"] - crash["time"] if joined else None,
         "checkpoint_blocked_s": statistics.mean(blocked),
         "checkpoint_blocked_fraction_of_step": statistics.mean(blocked) / step_s,
         "median_step_s": step_s,
         "goodput": ledger["goodput"],
         "ledger": {k: round(v, 3) for k, v in ledger.items()},
     }
-    print(f"worker death -> first step after restart: {figures['death_to_first_step_s']:.1f} s")
+    print(f"[{args.recovery}] worker death -> next committed step: {figures['death_to_first_step_s']:.1f} s")
     print(f"steps lost: {figures['steps_lost']} (checkpoint every {args.every})")
     print(f"loop blocked per checkpoint: {figures['checkpoint_blocked_s'] * 1e3:.1f} ms = "
           f"{figures['checkpoint_blocked_fraction_of_step']:.2%} of a {step_s:.2f} s step")
     print(f"goodput {ledger['goodput']:.2f} of {ledger['wall_s']:.0f} s wall")
+    return figures
+
+
+class Killer:
+    """SIGKILLs the live process of worker rank 1 every `every_s` seconds of training."""
+
+    def __init__(self, run_dir: Path, every_s: float) -> None:
+        self.run_dir, self.every_s = run_dir, every_s
+        self.kills: list[float] = []
+        self.done = threading.Event()
+
+    def _pid(self) -> int | None:
+        path = self.run_dir / "events.jsonl"
+        if not path.is_file():
+            return None
+        starts = [json.loads(line) for line in path.read_text().splitlines()
+                  if line.endswith("}") and '"start"' in line]
+        starts = [e for e in starts if e.get("event") == "start" and e.get("rank") == 1]
+        return starts[-1]["pid"] if starts else None
+
+    def run(self) -> None:
+        while not self.done.wait(0.2) and not (self.run_dir / "metrics.jsonl").is_file():
+            pass
+        next_kill = time.time() + self.every_s
+        while not self.done.wait(0.2):
+            if time.time() < next_kill:
+                continue
+            pid = self._pid()
+            try:
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    self.kills.append(time.time())
+            except ProcessLookupError:
+                pass
+            next_kill = time.time() + self.every_s
+
+
+def timed_run(storage: str, name: str, recovery: str, steps: int, every: int,
+              crash_every: float | None) -> dict:
+    cfg = load_config(None, [
+        *BASE, f"run.storage_path={storage}", f"run.name={name}", f"train.max_steps={steps}",
+        "train.epochs=1000", f"checkpoint.every_steps={every}", f"fault.recovery={recovery}",
+        "scaling.max_failures=-1",
+    ])
+    killer = Killer(Path(storage) / name, crash_every) if crash_every else None
+    thread = threading.Thread(target=killer.run, daemon=True) if killer else None
+    if thread:
+        thread.start()
+    try:
+        result = train(cfg)
+    finally:
+        if killer:
+            killer.done.set()
+            thread.join()
+    records = sorted(read_jsonl(Path(result.run_dir) / "metrics.jsonl"), key=lambda r: r["time"])
+    first = records[0]["time"] - records[0]["step_time_s"]
+    kills = killer.kills if killer else []
+    recover = [next((r["time"] for r in records if r["time"] > k), None) for k in kills]
+    return {"train_s": records[-1]["time"] - first, "kills": len(kills),
+            "kill_to_next_step_s": [round(r - k, 2) for k, r in zip(kills, recover, strict=True) if r],
+            "steps_lost": result.summary["replayed_steps"], "restarts": result.summary["restarts"],
+            "ledger_goodput": result.summary["ledger"]["goodput"]}
+
+
+def goodput(args) -> dict:
+    figures: dict = {"benchmark": "recovery_goodput", "steps": args.steps, "crash_every_s": args.crash_every}
+    with tempfile.TemporaryDirectory() as storage:
+        for mode in ("restart", "in_place"):
+            clean = timed_run(storage, f"{mode}_clean", mode, args.steps, args.every, None)
+            faulty = timed_run(storage, f"{mode}_faulty", mode, args.steps, args.every, args.crash_every)
+            figures[mode] = {"uninterrupted_train_s": round(clean["train_s"], 1), **faulty,
+                             "train_s": round(faulty["train_s"], 1),
+                             "goodput": round(clean["train_s"] / faulty["train_s"], 3)}
+            f = figures[mode]
+            print(f"[{mode}] {args.steps} steps: {f['uninterrupted_train_s']} s uninterrupted, "
+                  f"{f['train_s']} s with {f['kills']} kills -> goodput {f['goodput']:.2f}; "
+                  f"kill -> next committed step {f['kill_to_next_step_s']} s; steps lost {f['steps_lost']}")
+    return figures
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--crash-at", type=int, default=25)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--recovery", choices=["restart", "in_place"], default="restart")
+    p.add_argument("--goodput", action="store_true")
+    p.add_argument("--crash-every", type=float, default=60.0)
+    args = p.parse_args()
+    if args.goodput:
+        args.steps = args.steps or 600
+        figures = goodput(args)
+    else:
+        args.steps = args.steps or 40
+        figures = single_crash(args)
     print(json.dumps(figures))
 
 

@@ -176,8 +176,9 @@ class FaultConfig:
     # this step until a joining node asks for a checkpoint, takes it after the next step, then
     # holds a step later until Ray replaces the group at its new size
     hold_for_resize_at_step: int | None = None
-    # test hook (in place: a replacement that surely joins before the run ends): the other ranks
-    # wait after this step until a replacement has joined the run
+    # test hook (in place: a replacement that surely joins before the run ends): a rank that ends
+    # this step waits until a replacement has joined the run (a lost rank never gets there, and
+    # a replacement heals to the survivors' step and goes on from the next)
     wait_for_replacement_at_step: int | None = None
 
 

@@ -25,6 +25,7 @@ turns its preemption watcher off in this mode: runs in this mode have a fixed wo
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -33,9 +34,11 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+import ray
 import torch
 from ray.train.v2._internal.execution.worker_group import ReplicaGroup
-from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
+from ray.train.v2.torch.torchft_config import LighthouseServerActor, TorchftConfig, _TorchftBackend
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from torch.distributed import ReduceOp
 
 from elastic_train.blocks import BlockReader, Cursor, PartitionStream, make_reader
@@ -62,6 +65,7 @@ JOINING = "join"
 # every partition's cursor after the step (summed: each partition has one owner).
 SLOTS = ("loss", "targets", "real", "padded", "rows", "micro_batches")
 STALE_POLL_S = 0.2  # a joiner alone behind the run: how often it looks for its peers again
+QUIET_RUST_LOG = "warn"  # torchft's Rust side logs every quorum and commit at info
 HEARTBEAT_TIMEOUT_MS = 1000
 JOIN_TIMEOUT_MS = 3000
 
@@ -144,6 +148,8 @@ def start_manager(cfg: Config, env: WorkerEnv, replica: Replica) -> Any:
     """A Manager for this worker as a replica group of one, at the restored step. The quorum is
     synchronous (a joining replica heals before the forward and takes part in the same step); the
     process group's timeout bounds how long a hung (not dead) peer blocks a step."""
+    os.environ.setdefault("RUST_LOG", QUIET_RUST_LOG)  # before torchft starts its Rust runtime
+    logging.getLogger("torchft").setLevel(logging.WARNING)  # a line per quorum and commit
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
     from torchft.checkpointing.pg_transport import PGTransport
 
@@ -341,7 +347,18 @@ def save_in_place(env: WorkerEnv, cfg: Config, t: Training, *, writer: bool, fin
 
 class InPlaceBackend(_TorchftBackend):
     """Ray's torchft backend, which also tells each worker (`GROUP_ENV`) whether it starts with
-    its whole group (a fresh token per group start) or replaces a lost replica (`JOINING`)."""
+    its whole group (a fresh token per group start) or replaces a lost replica (`JOINING`), and
+    starts the lighthouse with torchft's Rust logging at warnings (it logs every quorum)."""
+
+    def _maybe_create_lighthouse_actor(self, backend_config) -> str:
+        if self.lighthouse_actor is None:
+            kwargs = {"bind": "[::]:0", **backend_config.lighthouse_kwargs}
+            self.lighthouse_actor = LighthouseServerActor.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node_id=ray.get_runtime_context().get_node_id(), soft=False),
+                runtime_env={"env_vars": {"RUST_LOG": os.environ.get("RUST_LOG", QUIET_RUST_LOG)}},
+            ).remote(lighthouse_kwargs=kwargs)
+        return ray.get(self.lighthouse_actor.address.remote())
 
     def on_start(self, worker_group, backend_config) -> None:
         token = JOINING if isinstance(worker_group, ReplicaGroup) else uuid.uuid4().hex

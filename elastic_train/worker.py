@@ -316,7 +316,7 @@ class RayWorkerEnv:
             time.sleep(f.slow_step_s)
         if f.hold_for_resize_at_step is not None and self.world_rank == 0:
             self._hold_for_resize(step, f.hold_for_resize_at_step)
-        if f.wait_for_replacement_at_step == step and self.world_rank != f.crash_rank:
+        if f.wait_for_replacement_at_step == step:
             ray.get(self.log_event({"event": "waiting_for_replacement", "step": step}))
             self.step_ended(None)  # a wait for an event, not a hang: out of the watchdog's sight
             while not ray.get(self.runlog.run_state.remote())["replacements"]:

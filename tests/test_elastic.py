@@ -368,3 +368,50 @@ def test_fixed_size_run_resumes_when_a_replacement_node_joins(cluster, reference
     first_after = min(r["step"] for r in metrics(result) if r["attempt"] > 0)
     assert first_after == committed + 1, (first_after, committed)  # from the committed checkpoint
     check_same_training(result, reference, small_dataset)  # 2 workers against the 1-worker run
+
+
+@pytest.fixture(scope="module")
+def in_place_reference(cluster, small_dataset, tmp_path_factory):
+    """In place, one worker, never interrupted."""
+    set_slot_nodes(cluster, 1)
+    result = train(config(tmp_path_factory.mktemp("ref_in_place"), small_dataset, "ref_in_place",
+                          "scaling.min_workers=1", "scaling.max_workers=1", "fault.recovery=in_place"))
+    assert result.summary["status"] == "finished" and result.summary["world_sizes"] == [1]
+    return result
+
+
+def test_in_place_a_lost_node_is_replaced_while_the_survivor_trains_on(cluster, in_place_reference,
+                                                                      small_dataset, tmp_path):
+    """Two workers in place on two slot nodes, a third free: one worker's node is killed. The other
+    trains on alone in the same process; Ray places the replacement on the free node, it heals
+    from the survivor and joins (the survivor waits for it after step 30). The run is the one
+    worker's uninterrupted in-place run to the bit: every sample once per epoch."""
+    set_slot_nodes(cluster, 3)
+    bg = Background(config(tmp_path, small_dataset, "node_in_place", "scaling.min_workers=2",
+                           "scaling.max_workers=2", "fault.recovery=in_place",
+                           "fault.wait_for_replacement_at_step=30"))
+    assert bg.wait_step(5, timeout=180)["world_size"] == 2
+    events = [json.loads(x) for x in (bg.run_dir / "events.jsonl").read_text().splitlines()]
+    starts = {e["node_id"]: e for e in events if e["event"] == "start"}
+    removable = removable_slot_node(cluster)  # not the driver's node
+    node = removable if removable.node_id in starts else next(
+        n for n in slot_nodes(cluster) if n.node_id in starts and n is not removable)
+    lost = starts[node.node_id]
+    removed_at = time.time()
+    cluster.remove_node(node, allow_graceful=False)
+    result = bg.join(timeout=600)
+    s = result.summary
+    assert s["status"] == "finished" and s["restarts"] == 0 and s["replayed_steps"] == 0
+    events = [json.loads(x) for x in (bg.run_dir / "events.jsonl").read_text().splitlines()]
+    survivor = {e["pid"] for e in events if e.get("rank") == 1 - lost["rank"] and "pid" in e}
+    assert len(survivor) == 1, survivor
+    joined = [e for e in events if e["event"] == "replacement_joined"]
+    assert len(joined) == 1 and joined[0]["rank"] == lost["rank"]
+    assert joined[0]["node_id"] not in (lost["node_id"], cluster.head_node.node_id)
+    recs = sorted(metrics(result), key=lambda r: r["step"])
+    assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))
+    alone = [r for r in recs if r["world_size"] == 1]
+    assert alone and alone[0]["time"] > removed_at and recs[-1]["world_size"] == 2
+    print(f"in place, node lost: the survivor's next step {alone[0]['time'] - removed_at:.1f} s "
+          f"after, the replacement joined {joined[0]['time'] - removed_at:.1f} s after")
+    check_same_training(result, in_place_reference, small_dataset)

@@ -81,7 +81,7 @@ def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference
     try:
         result = run(tmp_path, small_dataset, "frozen", *IN_PLACE,
                      f"scaling.collective_timeout_s={TIMEOUT_S}",
-                     "fault.slow_rank=1", "fault.slow_step_s=0.3", "fault.crash_rank=1",
+                     "fault.slow_rank=1", "fault.slow_step_s=0.3",
                      "fault.wait_for_replacement_at_step=16", "checkpoint.every_steps=20")
     finally:
         leaked = freezer.release()
