@@ -6,13 +6,14 @@ steps lost (trained again), the loop's blocked seconds per checkpoint as a fract
 the goodput ledger. `--recovery in_place` runs the same with in-place recovery (torchft): the
 survivor's next committed step after the death, and the replacement's join.
 
-`--goodput`: for each mode (restart, then in_place), a run of `--steps` steps never interrupted,
-then the same run with worker rank 1's process killed (SIGKILL, from outside, as a lost machine)
-every `--crash-every` seconds; goodput = the uninterrupted run's training time / the faulty run's
-(first step to last), and the seconds from each kill to the next committed step.
+`--goodput`: for each mode (restart, then in_place), a run of `--clean-steps` steps never
+interrupted (its steady rate), then a run of `--steps` steps with worker rank 1's process killed
+(SIGKILL, from outside, as a lost machine) every `--crash-every` seconds; goodput = the faulty
+run's steps per second of training (first step to last) / the uninterrupted run's, and the seconds
+from each kill to the next committed step.
 
     .venv/bin/python benchmarks/recovery.py [--steps 40] [--crash-at 25] [--every 10] [--recovery in_place]
-    .venv/bin/python benchmarks/recovery.py --goodput [--steps 600] [--crash-every 60]
+    .venv/bin/python benchmarks/recovery.py --goodput [--steps 1400] [--crash-every 60] [--clean-steps 150]
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def timed_run(storage: str, name: str, recovery: str, steps: int, every: int,
     first = records[0]["time"] - records[0]["step_time_s"]
     kills = killer.kills if killer else []
     recover = [next((r["time"] for r in records if r["time"] > k), None) for k in kills]
-    return {"train_s": records[-1]["time"] - first, "kills": len(kills),
+    return {"train_s": records[-1]["time"] - first, "kills": len(kills), "steps": steps,
             "kill_to_next_step_s": [round(r - k, 2) for k, r in zip(kills, recover, strict=True) if r],
             "steps_lost": result.summary["replayed_steps"], "restarts": result.summary["restarts"],
             "ledger_goodput": result.summary["ledger"]["goodput"]}
@@ -136,15 +137,18 @@ def goodput(args) -> dict:
     figures: dict = {"benchmark": "recovery_goodput", "steps": args.steps, "crash_every_s": args.crash_every}
     with tempfile.TemporaryDirectory() as storage:
         for mode in ("restart", "in_place"):
-            clean = timed_run(storage, f"{mode}_clean", mode, args.steps, args.every, None)
+            clean = timed_run(storage, f"{mode}_clean", mode, args.clean_steps, args.every, None)
             faulty = timed_run(storage, f"{mode}_faulty", mode, args.steps, args.every, args.crash_every)
-            figures[mode] = {"uninterrupted_train_s": round(clean["train_s"], 1), **faulty,
-                             "train_s": round(faulty["train_s"], 1),
-                             "goodput": round(clean["train_s"] / faulty["train_s"], 3)}
+            clean_rate = args.clean_steps / clean["train_s"]
+            rate = args.steps / faulty["train_s"]
+            figures[mode] = {"uninterrupted_steps_per_s": round(clean_rate, 3), **faulty,
+                             "train_s": round(faulty["train_s"], 1), "steps_per_s": round(rate, 3),
+                             "goodput": round(rate / clean_rate, 3)}
             f = figures[mode]
-            print(f"[{mode}] {args.steps} steps: {f['uninterrupted_train_s']} s uninterrupted, "
-                  f"{f['train_s']} s with {f['kills']} kills -> goodput {f['goodput']:.2f}; "
-                  f"kill -> next committed step {f['kill_to_next_step_s']} s; steps lost {f['steps_lost']}")
+            print(f"[{mode}] {args.steps} steps in {f['train_s']} s with {f['kills']} kills: "
+                  f"{rate:.2f} steps/s against {clean_rate:.2f} uninterrupted -> goodput "
+                  f"{f['goodput']:.2f}; kill -> next committed step {f['kill_to_next_step_s']} s; "
+                  f"steps lost {f['steps_lost']}")
     return figures
 
 
@@ -156,9 +160,10 @@ def main() -> None:
     p.add_argument("--recovery", choices=["restart", "in_place"], default="restart")
     p.add_argument("--goodput", action="store_true")
     p.add_argument("--crash-every", type=float, default=60.0)
+    p.add_argument("--clean-steps", type=int, default=150)
     args = p.parse_args()
     if args.goodput:
-        args.steps = args.steps or 600
+        args.steps = args.steps or 1400  # about 10 minutes of faulty training on 2 cores
         figures = goodput(args)
     else:
         args.steps = args.steps or 40

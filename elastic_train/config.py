@@ -579,8 +579,6 @@ def _validate_in_place(cfg: Config) -> None:
              f"train.grad_reduce={t.grad_reduce} is not supported")
     _require(t.precision != "fp16", "fault.recovery=in_place does not support train.precision=fp16 "
                                     "(a grad scaler's state is not healed yet): use bf16")
-    _require(not eval_enabled(cfg.eval),
-             "fault.recovery=in_place does not evaluate yet: set eval.fraction=0 and no eval.path")
     _require(cfg.data.reader == "pyarrow",
              f"fault.recovery=in_place reads with data.reader=pyarrow; got {cfg.data.reader!r}")
     _require(cfg.fault.hold_for_resize_at_step is None,

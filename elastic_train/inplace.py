@@ -42,7 +42,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from torch.distributed import ReduceOp
 
 from elastic_train.blocks import BlockReader, Cursor, PartitionStream, make_reader
-from elastic_train.checkpoint import snapshot
+from elastic_train.checkpoint import BestCheckpointWriter, snapshot
 from elastic_train.config import Config, num_partitions
 from elastic_train.data import MicroBatch
 from elastic_train.loop import (
@@ -53,6 +53,7 @@ from elastic_train.loop import (
     accumulate,
     build_training,
     optimizer_step,
+    run_eval,
 )
 from elastic_train.losses import LossFn
 from elastic_train.model import ModelFn, count_parameters, input_embedding_rows, model_flops_per_token
@@ -186,6 +187,8 @@ def in_place_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     env.log_event({"event": "start", "attempt": attempt, "world_size": env.world_size,
                    "resumed_step": t.state.step, "rank": env.world_rank, "recovery": "in_place",
                    "joining": env.joining})
+    evaluating = env.eval_table is not None
+    best = None  # the best-checkpoint writer, made by the first replica that logs an evaluation
     committed_here = 0  # steps this process committed
     quorum_id, participants, prank = None, None, None
     stale_deadline = time.monotonic() + cfg.scaling.collective_timeout_s
@@ -257,19 +260,9 @@ def in_place_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
         _, grad_norm, skipped = optimizer_step(t.raw_model, t.optimizer, None, cfg.train.grad_clip,
                                                torch.tensor(loss_sum), env.device)
         t2 = time.perf_counter()
-        if skipped:
-            state.skipped_steps += 1
-            state.consecutive_skips += 1
-            if state.consecutive_skips >= cfg.train.max_consecutive_skips:
-                env.handle_nonfinite(state.step + 1, micro_batches)
-        else:
-            state.consecutive_skips = 0
-        state.step += 1
-        state.step_in_epoch += 1
-        state.real_tokens += int(real)
-        state.padded_tokens += int(padded)
-        state.rows += int(rows)
         state.cursors = cursors
+        if state.count_step(skipped, real, padded, rows, cfg.train.max_consecutive_skips):
+            env.handle_nonfinite(state.step, micro_batches)
         committed_here += 1
         env.log_consumed(attempt, state, micro_batches)
         step_time_s = time.perf_counter() - t0
@@ -287,6 +280,8 @@ def in_place_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                           "recovery": "in_place"})
         env.inject_faults(state.step)
         env.step_ended(time.perf_counter() - t0)
+        if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
+            best = _evaluate(cfg, env, t, attempt, best, prank == 0)
         every = cfg.checkpoint.every_steps
         if every and state.step % every == 0 and n == env.world_size:
             _log_reads(env, attempt, reader)
@@ -298,11 +293,26 @@ def in_place_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
         # a replacement that found the run over joins the others' final report, without a share
         env.save_checkpoint(None, env.run_finished(), final=True)
         return
+    if evaluating and t.state.eval_step != t.state.step:  # the end, unless just evaluated
+        best = _evaluate(cfg, env, t, attempt, best, prank == 0 if committed_here else env.world_rank == 0)
+    if best is not None:
+        best.wait()
     env.mark_finished(t.state.step)  # a replacement that starts from now on only reports
     # the last step's first participant writes the final checkpoint (the first worker, if no step
     # ran in this process)
     save_in_place(env, cfg, t, writer=prank == 0 if committed_here else env.world_rank == 0,
                   final=True)
+
+
+def _evaluate(cfg: Config, env: WorkerEnv, t: Training, attempt: int,
+              best: BestCheckpointWriter | None, log: bool) -> BestCheckpointWriter | None:
+    """Every replica evaluates every partition itself, with no collective (a lost replica cannot
+    hold the others in one): the same result on each, and at any number of replicas; it costs each
+    replica the whole evaluation. The quorum's first participant logs it and keeps the best."""
+    if log and best is None and cfg.checkpoint.keep_best:
+        best = env.best_writer()
+    run_eval(cfg, env, t, list(range(num_partitions(cfg))), attempt, best if log else None, log)
+    return best
 
 
 def _advance(state: TrainState, cfg: Config, pool: PartitionPool) -> bool:

@@ -85,6 +85,19 @@ class TrainState:
     # where each partition is in `epoch`: {partition: [window, micro-batches taken]} (blocks.py)
     cursors: dict[str, list[int]] = field(default_factory=dict)
 
+    def count_step(self, skipped: bool, real: float, padded: float, rows: float,
+                   max_skips: int) -> bool:
+        """Count one trained step (`skipped`: its gradient was non-finite, nothing applied); True
+        when `max_skips` steps in a row were skipped (the non-finite policy acts then)."""
+        self.skipped_steps += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        self.step += 1
+        self.step_in_epoch += 1
+        self.real_tokens += int(real)
+        self.padded_tokens += int(padded)
+        self.rows += int(rows)
+        return self.consecutive_skips >= max_skips
+
 
 class NonFiniteError(RuntimeError):
     """Gradients stayed non-finite after a rollback: the run stops and names the batch."""
@@ -627,8 +640,9 @@ def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, par
 
 
 def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], attempt: int,
-             best: BestCheckpointWriter | None) -> None:
-    """Evaluate after the current step, log it (rank 0), and keep a new best checkpoint."""
+             best: BestCheckpointWriter | None, log: bool) -> None:
+    """Evaluate `partitions` after the current step; if `log` (one rank), log it and keep a new
+    best checkpoint."""
     state = t.state
     reader = make_reader(cfg.data.reader, env.eval_table, env.extra_columns,
                          input_embedding_rows(t.raw_model))
@@ -641,7 +655,7 @@ def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], at
     improved = state.best_eval_loss is None or result.loss < state.best_eval_loss
     if improved:
         state.best_eval_loss, state.best_step = result.loss, state.step
-    if env.world_rank != 0:
+    if not log:
         return
     env.log_eval({"step": state.step, "epoch": state.epoch, "time": time.time(), "attempt": attempt,
                   "eval_loss": result.loss, "eval_perplexity": math.exp(min(result.loss, 700.0)),
@@ -704,21 +718,12 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                     poison=lambda m: env.maybe_poison_gradient(m, state.step + 1))
                 if result.skipped:
                     forget_powersgd_memory(t.powersgd)
-                    state.skipped_steps += 1
-                    state.consecutive_skips += 1
-                    if state.consecutive_skips >= cfg.train.max_consecutive_skips:
-                        env.handle_nonfinite(state.step + 1, micro_batches)
-                else:
-                    state.consecutive_skips = 0
-                    if rank == 0 and not state_logged:  # the state exists after the first step
-                        state_logged = True
-                        env.log_event({"event": "optimizer_state", "bytes_per_param":
-                                       optimizer_state_bytes(t.optimizer) / count_parameters(t.raw_model)})
-                state.step += 1
-                state.step_in_epoch += 1
-                state.real_tokens += int(real)
-                state.padded_tokens += int(padded)
-                state.rows += int(rows)
+                elif rank == 0 and not state_logged:  # the state exists after the first step
+                    state_logged = True
+                    env.log_event({"event": "optimizer_state", "bytes_per_param":
+                                   optimizer_state_bytes(t.optimizer) / count_parameters(t.raw_model)})
+                if state.count_step(result.skipped, real, padded, rows, cfg.train.max_consecutive_skips):
+                    env.handle_nonfinite(state.step, micro_batches)
                 t.cursors = cursors
                 env.log_consumed(attempt, state, micro_batches)
                 step_time_s = time.perf_counter() - t0
@@ -747,7 +752,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                 previous = (step_s - (collective_seconds() - collective0), wait_s)
                 env.step_ended(step_s)
                 if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
-                    run_eval(cfg, env, t, partitions, attempt, best)  # between steps: no watchdog
+                    run_eval(cfg, env, t, partitions, attempt, best, rank == 0)  # between steps: no watchdog
                 periodic = cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0
                 if periodic or requested:
                     # requested: the driver expects a resize; commit it before going on (SYNC)
@@ -759,7 +764,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
             stream.close()
             reader.close()
     if evaluating and state.eval_step != state.step:  # the end, unless just evaluated
-        run_eval(cfg, env, t, partitions, attempt, best)
+        run_eval(cfg, env, t, partitions, attempt, best, rank == 0)
     if best is not None:
         best.wait()
     _log_reads(env, attempt, reader)

@@ -16,7 +16,17 @@ from test_train_ray import assert_same_training, metrics, read_events, run
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.ray
 
-IN_PLACE = ["fault.recovery=in_place", "train.epochs=2", "train.max_steps=1000"]
+IN_PLACE = ["fault.recovery=in_place", "train.epochs=2", "train.max_steps=1000",
+            "eval.fraction=0.1", "eval.every_steps=10"]
+
+
+def steps(result) -> list[dict]:
+    """The step records of metrics.jsonl (not the evaluations'), by step."""
+    return sorted((r for r in metrics(result) if "eval_loss" not in r), key=lambda r: r["step"])
+
+
+def evals(result) -> dict[int, float]:
+    return {r["step"]: r["eval_loss"] for r in metrics(result) if "eval_loss" in r}
 TIMEOUT_S = 15  # scaling.collective_timeout_s of the frozen run
 
 
@@ -30,7 +40,7 @@ def test_in_place_run_trains_every_id_once_at_two_workers(reference):
     s = reference.summary
     assert s["status"] == "finished" and s["restarts"] == 0 and s["replayed_steps"] == 0
     assert s["grad_reduce_reason"] == "fault.recovery=in_place"
-    recs = metrics(reference)
+    recs = steps(reference)
     assert {r["world_size"] for r in recs} == {2}
     assert sorted(r["step"] for r in recs) == list(range(1, len(recs) + 1))  # each step once
     assert {r["epoch"] for r in recs} == {0, 1} and s["final_loss"] < 0.8 * s["first_loss"]
@@ -56,7 +66,7 @@ def test_survivor_trains_on_and_the_replacement_heals_and_joins(reference, small
     assert len(healed) == 1
     assert healed[0]["step"] >= 14  # from the survivor's live state, not the step-8 checkpoint
     # Every step trained once: alone from step 11 until the replacement joined, then at 2 again.
-    recs = metrics(crashed)
+    recs = steps(crashed)
     assert sorted(r["step"] for r in recs) == list(range(1, len(recs) + 1))  # each step once
     sizes = {r["step"]: r["world_size"] for r in recs}
     assert {sizes[step] for step in range(11, 15)} == {1}
@@ -64,6 +74,8 @@ def test_survivor_trains_on_and_the_replacement_heals_and_joins(reference, small
     # The same ids at every step, the same losses and the same final weights as the uninterrupted
     # run, to the bit: a step's update does not depend on how many replicas computed it.
     assert_same_training(crashed, reference)
+    # Every replica evaluates every held-out partition itself: the same losses, whoever was alive.
+    assert evals(crashed) == evals(reference) and len(evals(reference)) >= 4
 
 
 @pytest.mark.timeout(SLOW_TEST_S)
@@ -93,7 +105,7 @@ def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference
     events = read_events(result)
     survivor = {e["pid"] for e in events if e.get("rank") == 0 and "pid" in e}
     assert len(survivor) == 1, survivor
-    recs = metrics(result)
+    recs = steps(result)
     assert sorted(r["step"] for r in recs) == list(range(1, len(recs) + 1))  # each step once
     alone = [r for r in recs if r["world_size"] == 1]
     assert alone and max(recs, key=lambda r: r["step"])["world_size"] == 2

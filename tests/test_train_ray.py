@@ -63,7 +63,8 @@ def effective_ids(result) -> dict[tuple[int, int], list[int]]:
 def losses(result) -> dict[int, float]:
     out = {}
     for rec in metrics(result):  # later attempts overwrite replayed steps
-        out[rec["step"]] = rec["loss"]
+        if "eval_loss" not in rec:  # not an evaluation's record
+            out[rec["step"]] = rec["loss"]
     return out
 
 
