@@ -82,8 +82,12 @@ class Freezer:
     """Watches a running fit's files: SIGSTOPs rank 1 of attempt 0 once the run logged `step`,
     then watches that process until Ray ends it."""
 
-    def __init__(self, run_dir: Path, step: int) -> None:
+    def __init__(self, run_dir: Path, step: int, reclaim_after_s: float | None = None) -> None:
         self.run_dir, self.step = run_dir, step
+        # as a cloud reclaims a dead machine: SIGKILL the frozen process if Ray has not ended it
+        # this long after the freeze
+        self.reclaim_after_s = reclaim_after_s
+        self.reclaimed = False
         self.process: psutil.Process | None = None
         self.stopped_at: float | None = None
         self.ended_at: float | None = None  # when the frozen process was gone
@@ -95,6 +99,9 @@ class Freezer:
             if not self._alive():
                 self.ended_at = time.time()
                 return
+            if self.reclaim_after_s is not None and time.time() - self.stopped_at > self.reclaim_after_s:
+                self.reclaimed = True
+                self.process.kill()
 
     def _alive(self) -> bool:
         try:

@@ -83,11 +83,13 @@ def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference
                                                                        tmp_path):
     """Rank 1 SIGSTOPped at step 8 or a little later (a slowed rank 1 gives the test time): the
     survivor's all-reduce gives up after scaling.collective_timeout_s, that step is trained again
-    alone, Ray's health check finds the frozen worker (the same timeout) and replaces it, and the
-    replacement heals and joins (rank 0 waits for it after step 16). No checkpoint until step 20:
+    alone, and once the frozen process is gone (Ray's health check fails it after the same timeout
+    and ends it, or, as Ray 2.60 did not in one run of three here, the test reclaims it as a cloud
+    reclaims a dead machine) Ray replaces it, and the replacement heals and joins (rank 0 waits
+    for it after step 16). No checkpoint until step 20:
     a checkpoint is reported to Ray by every worker (a barrier), which would hold the survivor
     until Ray has replaced the frozen worker (README: in-place recovery)."""
-    freezer = Freezer(tmp_path / "frozen", step=8)
+    freezer = Freezer(tmp_path / "frozen", step=8, reclaim_after_s=TIMEOUT_S + MARGIN_S + 60)
     watcher = threading.Thread(target=freezer.watch, daemon=True)
     watcher.start()
     try:
@@ -113,6 +115,7 @@ def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference
     detected_s = alone[0]["time"] - freezer.stopped_at
     replaced_s = freezer.ended_at - freezer.stopped_at
     print(f"\nSIGSTOP of rank 1 (collective_timeout_s={TIMEOUT_S}): the survivor's next committed "
-          f"step after {detected_s:.1f} s, the frozen process ended after {replaced_s:.1f} s")
+          f"step after {detected_s:.1f} s, the frozen process ended after {replaced_s:.1f} s "
+          f"({'reclaimed by the test' if freezer.reclaimed else 'by Ray'})")
     assert detected_s < TIMEOUT_S + MARGIN_S
     assert_same_training(result, reference)
