@@ -29,6 +29,7 @@ import logging
 import os
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -150,7 +151,11 @@ def start_manager(cfg: Config, env: WorkerEnv, replica: Replica) -> Any:
     synchronous (a joining replica heals before the forward and takes part in the same step); the
     process group's timeout bounds how long a hung (not dead) peer blocks a step."""
     os.environ.setdefault("RUST_LOG", QUIET_RUST_LOG)  # before torchft starts its Rust runtime
-    logging.getLogger("torchft").setLevel(logging.WARNING)  # a line per quorum and commit
+    # a line per quorum and commit (torchft_commits: an empty one, for its structured handlers)
+    for name in ("torchft", "torchft_quorums", "torchft_commits"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # torchft 0.2.0's own use of deprecated torch APIs in its checkpoint transport, once a process
+    warnings.filterwarnings("ignore", module=r"torchft\.checkpointing")
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
     from torchft.checkpointing.pg_transport import PGTransport
 
