@@ -426,7 +426,7 @@ def torch_config(cfg: Config) -> TorchConfig:
     torchft lighthouse (in_place: inplace.py)."""
     s = cfg.scaling
     if cfg.fault.recovery == "in_place":
-        from elastic_train.inplace import torch_config as in_place_config
+        from elastic_train.inplace_ray import torch_config as in_place_config
 
         return in_place_config(cfg)
     return TorchConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s)

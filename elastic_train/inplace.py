@@ -20,7 +20,8 @@ resumed by name continues from them; metrics, events and consumed ids through th
 
 Ray 2.60 replaces a failing replica group in place only while the worker count is unchanged, and
 turns its preemption watcher off in this mode: runs in this mode have a fixed worker count
-(config.py refuses min != max), and a drained node is a death like any other.
+(config.py refuses min != max), and a drained node is a death like any other. The driver's side
+(Ray's torchft backend, told apart from a group start and a replacement) is `inplace_ray.py`.
 """
 
 from __future__ import annotations
@@ -33,19 +34,16 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
-import ray
 import torch
-from ray.train.v2._internal.execution.worker_group import ReplicaGroup
-from ray.train.v2.torch.torchft_config import LighthouseServerActor, TorchftConfig, _TorchftBackend
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from torch.distributed import ReduceOp
 
 from elastic_train.blocks import BlockReader, Cursor, PartitionStream, make_reader
 from elastic_train.checkpoint import BestCheckpointWriter, snapshot
 from elastic_train.config import Config, num_partitions
 from elastic_train.data import MicroBatch
+from elastic_train.inplace_ray import QUIET_RUST_LOG
 from elastic_train.loop import (
     Training,
     TrainState,
@@ -61,15 +59,10 @@ from elastic_train.model import ModelFn, count_parameters, input_embedding_rows,
 from elastic_train.optim import lr_at, set_lr
 from elastic_train.plan import StreamSpec, assign_blocks, owned_partitions
 
-GROUP_ENV = "ELASTIC_TRAIN_GROUP"  # set by InPlaceBackend: a group start's token, or JOINING
-JOINING = "join"
 # The step's numbers that ride after the gradient in its one all-reduce; then (window, taken) of
 # every partition's cursor after the step (summed: each partition has one owner).
 SLOTS = ("loss", "targets", "real", "padded", "rows", "micro_batches")
 STALE_POLL_S = 0.2  # a joiner alone behind the run: how often it looks for its peers again
-QUIET_RUST_LOG = "warn"  # torchft's Rust side logs every quorum and commit at info
-HEARTBEAT_TIMEOUT_MS = 1000
-JOIN_TIMEOUT_MS = 3000
 
 
 class PartitionPool:
@@ -173,12 +166,74 @@ def start_manager(cfg: Config, env: WorkerEnv, replica: Replica) -> Any:
     return manager
 
 
-def in_place_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
+class InPlaceEnv(WorkerEnv, Protocol):
+    """What `in_place_loop` uses beyond `loop.WorkerEnv` (Ray: `worker.RayWorkerEnv`)."""
+
+    joining: bool  # this worker replaces a lost replica of a running group
+
+    def run_finished(self) -> int | None: ...  # the step the run's training ended at, if it has
+    def latest_step(self) -> int | None: ...  # the latest step logged
+    def mark_finished(self, step: int) -> None: ...
+
+
+@dataclass
+class ReducedStep:
+    """A committed step, as every participant has it after the all-reduce."""
+
+    loss: float  # per target, over all participants
+    real: float
+    padded: float
+    rows: float
+    micro_batches: float
+    cursors: dict[str, list[int]]  # every partition's, after the step
+    grad_norm: float
+    skipped: bool
+    forward_backward_s: float
+    optimizer_s: float
+
+
+def in_place_step(t: Training, manager: Any, env: InPlaceEnv, micro_batches: list[MicroBatch],
+                  after: dict[int, Cursor], *, lr: float, grad_clip: float) -> ReducedStep | None:
+    """This replica's micro-batches of step `t.state.step + 1`: gradient sums and counts into the
+    float64 buffer, one SUM all-reduce through the Manager, and, if the quorum commits the step,
+    the update (None if it does not: nothing changed, the step is trained again)."""
+    state, reducer = t.state, t.setup.exact
+    set_lr(t.optimizer, lr)
+    t.optimizer.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    loss, targets = accumulate(t.model, micro_batches, setup=t.setup, scale=1.0, step=state.step)
+    n = len(SLOTS)
+    reducer.extra[:n] = torch.tensor(
+        [float(loss), targets, sum(mb.real_tokens for mb in micro_batches),
+         sum(mb.padded_tokens for mb in micro_batches), sum(len(mb.ids) for mb in micro_batches),
+         len(micro_batches)], dtype=torch.float64)
+    for p, (window, taken) in after.items():
+        reducer.extra[n + 2 * p: n + 2 * p + 2] = torch.tensor([window, taken], dtype=torch.float64)
+    manager.allreduce(reducer.buffer, reduce_op=ReduceOp.SUM).wait()
+    if not manager.should_commit():
+        reducer.buffer.zero_()
+        t.optimizer.zero_grad(set_to_none=True)
+        return None
+    t1 = time.perf_counter()
+    sums = reducer.extra.tolist()
+    loss_sum, total_targets, real, padded, rows, n_mb = sums[:n]
+    cursors = {str(p): [int(sums[n + 2 * p]), int(sums[n + 2 * p + 1])]
+               for p in range((len(sums) - n) // 2)}
+    reducer.set_grads(divisor=max(total_targets, 1.0))
+    env.maybe_poison_gradient(t.raw_model, state.step + 1)
+    # every replica holds the same reduced gradient: the same norm and skip decision, no
+    # collective (the default process group is this replica group of one)
+    _, grad_norm, skipped = optimizer_step(t.raw_model, t.optimizer, None, grad_clip,
+                                           torch.tensor(loss_sum), env.device)
+    return ReducedStep(loss_sum / max(total_targets, 1.0), real, padded, rows, n_mb, cursors,
+                       grad_norm, skipped, t1 - t0, time.perf_counter() - t1)
+
+
+def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
                   loss_fn: LossFn | None = None) -> None:
     """Run (or resume) training on this worker as one replica among the live ones."""
     k = num_partitions(cfg)
     t = build_training(cfg, env, model_fn, loss_fn, reduce_extra=len(SLOTS) + 2 * k)
-    reducer = t.setup.exact
     replica = Replica(t)
     manager = start_manager(cfg, env, replica)
     attempt = env.begin_attempt()
@@ -195,94 +250,52 @@ def in_place_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     evaluating = env.eval_table is not None
     best = None  # the best-checkpoint writer, made by the first replica that logs an evaluation
     committed_here = 0  # steps this process committed
-    quorum_id, participants, prank = None, None, None
+    seen, prank = None, None  # the last (quorum id, participants) logged; the participating rank
     stale_deadline = time.monotonic() + cfg.scaling.collective_timeout_s
-    while True:
-        if _advance(t.state, cfg, pool):
-            break
+    while not _advance(t.state, cfg, pool):
         env.step_began(t.state.step + 1)
         t0 = time.perf_counter()
-        manager.start_quorum()
-        if replica.healed_from_step is not None:
-            age_s = time.time() - env.startup.get("process_start", time.time())
-            env.log_event({"event": "healed", "step": replica.healed_from_step,
-                           "process_age_s": round(age_s, 3)})
-            replica.healed_from_step = None
-            if _advance(t.state, cfg, pool):  # a peer's state (never past the end: it is here)
+        stale = committed_here == 0 and time.monotonic() < stale_deadline
+        verdict = _join_quorum(env, replica, cfg, pool, stale)
+        if verdict != "train":
+            env.step_ended(None)
+            if verdict == "over":
                 break
+            continue
         n, prank = manager.num_participants(), manager.participating_rank()
-        if env.joining and not committed_here and not replica.heals and n == 1 \
-                and time.monotonic() < stale_deadline:
-            # A replacement alone in its quorum: either the others are mid-step (they come to the
-            # next quorum) or the run ended while this one started: never train the run again.
-            # (Past the deadline it trains: every other replica was lost too.)
-            if _stale(env, t.state):
-                manager.report_error(RuntimeError("a replacement alone, behind the run"))
-                manager.should_commit()  # False: the step count stays as it was
-                env.step_ended(None)
-                if env.run_finished() is not None:
-                    break
-                time.sleep(STALE_POLL_S)
-                continue
-        if (manager._quorum_id, n) != (quorum_id, participants):
-            quorum_id, participants = manager._quorum_id, n
+        if (manager._quorum_id, n) != seen:  # torchft 0.2.0 keeps the quorum id private
+            seen = (manager._quorum_id, n)
             env.log_event({"event": "quorum", "step": t.state.step + 1, "participants": n,
-                           "participating_rank": prank, "quorum_id": quorum_id})
+                           "participating_rank": prank, "quorum_id": seen[0]})
         state = t.state
-        partitions = owned_partitions(prank, n, k) if prank is not None else []
         t_data = time.perf_counter()
-        micro_batches, after = pool.take(partitions, state_cursors(state))
+        micro_batches, after = pool.take(owned_partitions(prank, n, k) if prank is not None else [],
+                                         state_cursors(state))
         wait_s = time.perf_counter() - t_data
         lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
-        set_lr(t.optimizer, lr)
-        t.optimizer.zero_grad(set_to_none=True)
-        loss, targets = accumulate(t.model, micro_batches, setup=t.setup, scale=1.0, step=state.step)
-        extra = reducer.extra
-        extra[: len(SLOTS)] = torch.tensor(
-            [float(loss), targets, sum(mb.real_tokens for mb in micro_batches),
-             sum(mb.padded_tokens for mb in micro_batches), sum(len(mb.ids) for mb in micro_batches),
-             len(micro_batches)], dtype=torch.float64)
-        for p, (window, taken) in after.items():
-            extra[len(SLOTS) + 2 * p] = window
-            extra[len(SLOTS) + 2 * p + 1] = taken
-        t1 = time.perf_counter()
-        manager.allreduce(reducer.buffer, reduce_op=ReduceOp.SUM).wait()
-        if not manager.should_commit():
-            reducer.buffer.zero_()
-            t.optimizer.zero_grad(set_to_none=True)
+        r = in_place_step(t, manager, env, micro_batches, after, lr=lr, grad_clip=cfg.train.grad_clip)
+        if r is None:
             env.log_event({"event": "step_not_committed", "step": state.step + 1,
                            "participants": n, "error": repr(manager.errored())[:300]})
             env.step_ended(None)
             continue
-        sums = extra.tolist()
-        loss_sum, total_targets, real, padded, rows, n_mb = sums[: len(SLOTS)]
-        cursors = {str(p): [int(sums[len(SLOTS) + 2 * p]), int(sums[len(SLOTS) + 2 * p + 1])]
-                   for p in range(k)}
-        reducer.set_grads(divisor=max(total_targets, 1.0))
-        env.maybe_poison_gradient(t.raw_model, state.step + 1)
-        # every replica holds the same reduced gradient: the same norm and skip decision, no
-        # collective (the default process group is this replica group of one)
-        _, grad_norm, skipped = optimizer_step(t.raw_model, t.optimizer, None, cfg.train.grad_clip,
-                                               torch.tensor(loss_sum), env.device)
-        t2 = time.perf_counter()
-        state.cursors = cursors
-        if state.count_step(skipped, real, padded, rows, cfg.train.max_consecutive_skips):
+        state.cursors = r.cursors
+        if state.count_step(r.skipped, r.real, r.padded, r.rows, cfg.train.max_consecutive_skips):
             env.handle_nonfinite(state.step, micro_batches)
         committed_here += 1
         env.log_consumed(attempt, state, micro_batches)
         step_time_s = time.perf_counter() - t0
         if prank == 0:
             env.log_step({"step": state.step, "epoch": state.epoch, "time": time.time(),
-                          "attempt": attempt, "world_size": n, "loss": loss_sum / max(total_targets, 1.0),
-                          "lr": lr, "grad_norm": grad_norm, "real_tokens": int(real),
-                          "padded_tokens": int(padded), "step_time_s": step_time_s,
+                          "attempt": attempt, "world_size": n, "loss": r.loss, "lr": lr,
+                          "grad_norm": r.grad_norm, "real_tokens": int(r.real),
+                          "padded_tokens": int(r.padded), "step_time_s": step_time_s,
                           "data_wait_s": wait_s, "quorum_s": t_data - t0,
-                          "forward_backward_s": t1 - t_data - wait_s, "optimizer_s": t2 - t1,
-                          "tokens_per_s": real / step_time_s,
-                          "mfu": flops_per_token * real / step_time_s / (cfg.log.peak_flops * n),
-                          "skipped": skipped, "rows": int(rows),
-                          "micro_batches": int(n_mb), "skipped_steps": state.skipped_steps,
-                          "recovery": "in_place"})
+                          "forward_backward_s": r.forward_backward_s, "optimizer_s": r.optimizer_s,
+                          "tokens_per_s": r.real / step_time_s,
+                          "mfu": flops_per_token * r.real / step_time_s / (cfg.log.peak_flops * n),
+                          "skipped": r.skipped, "rows": int(r.rows), "micro_batches": int(r.micro_batches),
+                          "skipped_steps": state.skipped_steps, "recovery": "in_place"})
         env.inject_faults(state.step)
         env.step_ended(time.perf_counter() - t0)
         if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
@@ -298,15 +311,41 @@ def in_place_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
         # a replacement that found the run over joins the others' final report, without a share
         env.save_checkpoint(None, env.run_finished(), final=True)
         return
+    # the last step's first participant logs and writes (the first worker, if this process ran
+    # no step)
+    first = prank == 0 if committed_here else env.world_rank == 0
     if evaluating and t.state.eval_step != t.state.step:  # the end, unless just evaluated
-        best = _evaluate(cfg, env, t, attempt, best, prank == 0 if committed_here else env.world_rank == 0)
+        best = _evaluate(cfg, env, t, attempt, best, first)
     if best is not None:
         best.wait()
     env.mark_finished(t.state.step)  # a replacement that starts from now on only reports
-    # the last step's first participant writes the final checkpoint (the first worker, if no step
-    # ran in this process)
-    save_in_place(env, cfg, t, writer=prank == 0 if committed_here else env.world_rank == 0,
-                  final=True)
+    save_in_place(env, cfg, t, writer=first, final=True)
+
+
+def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: PartitionPool,
+                 may_be_stale: bool) -> str:
+    """This step's quorum (a replica behind the others heals inside it): "train", "wait" (a
+    replacement alone and behind the run: its peers come to the next quorum, so it never trains
+    the run again; `may_be_stale` is False once it committed a step, or past its deadline, when
+    every other replica was lost too) or "over" (the run ended while it started)."""
+    manager = replica.manager
+    manager.start_quorum()
+    if replica.healed_from_step is not None:
+        age_s = time.time() - env.startup.get("process_start", time.time())
+        env.log_event({"event": "healed", "step": replica.healed_from_step,
+                       "process_age_s": round(age_s, 3)})
+        replica.healed_from_step = None
+        if _advance(replica.t.state, cfg, pool):  # a peer's state (never past the end: it is here)
+            return "over"
+    alone = manager.num_participants() == 1
+    if not (env.joining and may_be_stale and not replica.heals and alone and _stale(env, replica.t.state)):
+        return "train"
+    manager.report_error(RuntimeError("a replacement alone, behind the run"))
+    manager.should_commit()  # False: the step count stays as it was
+    if env.run_finished() is not None:
+        return "over"
+    time.sleep(STALE_POLL_S)
+    return "wait"
 
 
 def _evaluate(cfg: Config, env: WorkerEnv, t: Training, attempt: int,
@@ -356,47 +395,3 @@ def save_in_place(env: WorkerEnv, cfg: Config, t: Training, *, writer: bool, fin
     if writer:
         env.log_event({"event": "checkpoint", "step": state.step, "final": final,
                        "blocked_s": time.perf_counter() - t0})
-
-
-# -- the driver's side: Ray's TorchftConfig, told apart from a group start and a replacement ------
-
-class InPlaceBackend(_TorchftBackend):
-    """Ray's torchft backend, which also tells each worker (`GROUP_ENV`) whether it starts with
-    its whole group (a fresh token per group start) or replaces a lost replica (`JOINING`), and
-    starts the lighthouse with torchft's Rust logging at warnings (it logs every quorum)."""
-
-    def _maybe_create_lighthouse_actor(self, backend_config) -> str:
-        if self.lighthouse_actor is None:
-            kwargs = {"bind": "[::]:0", **backend_config.lighthouse_kwargs}
-            self.lighthouse_actor = LighthouseServerActor.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    node_id=ray.get_runtime_context().get_node_id(), soft=False),
-                runtime_env={"env_vars": {"RUST_LOG": os.environ.get("RUST_LOG", QUIET_RUST_LOG)}},
-            ).remote(lighthouse_kwargs=kwargs)
-        return ray.get(self.lighthouse_actor.address.remote())
-
-    def on_start(self, worker_group, backend_config) -> None:
-        token = JOINING if isinstance(worker_group, ReplicaGroup) else uuid.uuid4().hex
-        worker_group.execute(_set_env, GROUP_ENV, token)
-        super().on_start(worker_group, backend_config)
-
-
-class InPlaceConfig(TorchftConfig):
-    @property
-    def backend_cls(self):
-        return InPlaceBackend
-
-
-def torch_config(cfg: Config) -> InPlaceConfig:
-    """The lighthouse forgets a replica whose heartbeats stop for 1 s (the survivors' next quorum
-    forms that soon after a death) and waits at most 3 s for a heartbeating replica to ask for a
-    quorum (a peer still in its step)."""
-    s = cfg.scaling
-    return InPlaceConfig(
-        lighthouse_kwargs={"min_replicas": 1, "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
-                           "join_timeout_ms": JOIN_TIMEOUT_MS},
-        backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s)
-
-
-def _set_env(name: str, value: str) -> None:
-    os.environ[name] = value

@@ -28,7 +28,7 @@ from elastic_train import raycompat
 from elastic_train.blocks import BlockTable
 from elastic_train.checkpoint import BestCheckpointWriter, write_checkpoint
 from elastic_train.config import ConfigError, FaultConfig, config_from_dict
-from elastic_train.inplace import GROUP_ENV, JOINING
+from elastic_train.inplace_ray import GROUP_ENV, JOINING
 from elastic_train.provenance import versions
 from elastic_train.rowgroups import DataError
 from elastic_train.watchdog import StepWatchdog, Verdict
