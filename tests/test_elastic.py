@@ -308,9 +308,13 @@ def test_checkpoints_on_a_drain_notice_and_loses_at_most_a_few_steps(cluster, re
     of its slowest recent step times plus 0.5 s. What is lost is held to that rule as measured on
     this run's own steps, not to a fixed number of seconds that a loaded machine overruns."""
     set_slot_nodes(cluster, 2)
-    # No periodic checkpoints: only those asked for by the drain can save work.
+    # No periodic checkpoints: only those asked for by the drain can save work. Rank 1 sleeps
+    # 0.1 s a step, so the 6 s to the deadline cover at most ~60 of the run's ~330 steps (on a
+    # quiet machine the whole run once took 6 s and ended before the node was taken); the
+    # 1-worker run after the shrink has no rank 1 and runs at full speed.
     bg = Background(config(tmp_path, small_dataset, "drain", *ELASTIC, "checkpoint.every_steps=100000",
-                           "scaling.preemption_poll_interval_s=0.5"))
+                           "scaling.preemption_poll_interval_s=0.5", "fault.slow_rank=1",
+                           "fault.slow_step_s=0.1"))
     assert bg.wait_step(5, timeout=180)["world_size"] == 2
     node = removable_slot_node(cluster)
     deadline = time.time() + 6
@@ -321,6 +325,8 @@ def test_checkpoints_on_a_drain_notice_and_loses_at_most_a_few_steps(cluster, re
     removed = time.time()
     result = bg.join(timeout=300)
     recs = metrics(result)
+    assert max(r["step"] for r in recs if r["time"] <= removed) < result.summary["steps"], \
+        "the run ended before the node was taken"
     events = [json.loads(x) for x in (bg.run_dir / "events.jsonl").read_text().splitlines()]
     asked = [e for e in events if e["event"] == "checkpoint_requested" and "drain" in e["reason"]]
     assert asked, [e for e in events if e["event"] == "checkpoint_requested"]
