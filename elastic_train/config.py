@@ -161,6 +161,10 @@ class FaultConfig:
     # checkpoint; resizes too) | in_place (torchft: the others train on at once, taking over its
     # data partitions; Ray replaces it and it heals from a live peer; fixed worker count)
     recovery: str = "restart"
+    # in place: a replica missing from every step this long is frozen (SIGSTOP, a stalled machine)
+    # and its process is ended by a task on its node (fence.py); None: its own step watchdog's
+    # deadline (3 x scaling.collective_timeout_s) + 10 s, when a process that can run has ended itself
+    fence_after_s: float | None = None
     crash_at_step: int | None = None  # test hook: that rank's process dies hard once at this step
     crash_rank: int = 0
     crash_in_checkpoint: bool = False  # die in the middle of writing the checkpoint of that step
@@ -554,6 +558,10 @@ def _validate_fault(f: FaultConfig, s: ScalingConfig) -> None:
              f"fault.recovery must be restart or in_place, got {f.recovery!r}")
     _require(f.wait_for_replacement_at_step is None or f.recovery == "in_place",
              "fault.wait_for_replacement_at_step is a test hook of fault.recovery=in_place")
+    _require(f.fence_after_s is None or f.recovery == "in_place",
+             "fault.fence_after_s applies to fault.recovery=in_place (restart mode ends a whole "
+             "group, frozen workers too)")
+    _at_least("fault.fence_after_s", f.fence_after_s, 1)
     for key in ("crash_at_step", "nan_at_step", "hang_at_step", "wait_for_replacement_at_step"):
         _at_least(f"fault.{key}", getattr(f, key), 1)
     for key in ("crash_rank", "nan_rank", "hang_rank", "slow_rank"):

@@ -43,6 +43,7 @@ from elastic_train.blocks import BlockReader, Cursor, PartitionStream, make_read
 from elastic_train.checkpoint import BestCheckpointWriter, snapshot
 from elastic_train.config import Config, num_partitions
 from elastic_train.data import MicroBatch
+from elastic_train.fence import Fencer
 from elastic_train.inplace_ray import QUIET_RUST_LOG
 from elastic_train.loop import (
     Training,
@@ -60,7 +61,8 @@ from elastic_train.optim import lr_at, set_lr
 from elastic_train.plan import StreamSpec, assign_blocks, owned_partitions
 
 # The step's numbers that ride after the gradient in its one all-reduce; then (window, taken) of
-# every partition's cursor after the step (summed: each partition has one owner).
+# every partition's cursor after the step (summed: each partition has one owner); then each world
+# rank's pid, 0 for a rank not taking part (fence.py).
 SLOTS = ("loss", "targets", "real", "padded", "rows", "micro_batches")
 STALE_POLL_S = 0.2  # a joiner alone behind the run: how often it looks for its peers again
 
@@ -170,10 +172,12 @@ class InPlaceEnv(WorkerEnv, Protocol):
     """What `in_place_loop` uses beyond `loop.WorkerEnv` (Ray: `worker.RayWorkerEnv`)."""
 
     joining: bool  # this worker replaces a lost replica of a running group
+    fence_after_s: float  # a replica missing from the steps this long is ended (fence.py)
 
     def run_finished(self) -> int | None: ...  # the step the run's training ended at, if it has
     def latest_step(self) -> int | None: ...  # the latest step logged
     def mark_finished(self, step: int) -> None: ...
+    def fence(self, world_rank: int, pid: int, missing_s: float) -> None: ...
 
 
 @dataclass
@@ -186,6 +190,7 @@ class ReducedStep:
     rows: float
     micro_batches: float
     cursors: dict[str, list[int]]  # every partition's, after the step
+    pids: dict[int, int]  # world rank: pid, of the participants
     grad_norm: float
     skipped: bool
     forward_backward_s: float
@@ -209,6 +214,8 @@ def in_place_step(t: Training, manager: Any, env: InPlaceEnv, micro_batches: lis
          len(micro_batches)], dtype=torch.float64)
     for p, (window, taken) in after.items():
         reducer.extra[n + 2 * p: n + 2 * p + 2] = torch.tensor([window, taken], dtype=torch.float64)
+    k = (len(reducer.extra) - n - env.world_size) // 2
+    reducer.extra[n + 2 * k + env.world_rank] = os.getpid()
     manager.allreduce(reducer.buffer, reduce_op=ReduceOp.SUM).wait()
     if not manager.should_commit():
         reducer.buffer.zero_()
@@ -217,15 +224,15 @@ def in_place_step(t: Training, manager: Any, env: InPlaceEnv, micro_batches: lis
     t1 = time.perf_counter()
     sums = reducer.extra.tolist()
     loss_sum, total_targets, real, padded, rows, n_mb = sums[:n]
-    cursors = {str(p): [int(sums[n + 2 * p]), int(sums[n + 2 * p + 1])]
-               for p in range((len(sums) - n) // 2)}
+    cursors = {str(p): [int(sums[n + 2 * p]), int(sums[n + 2 * p + 1])] for p in range(k)}
+    pids = {rank: int(pid) for rank, pid in enumerate(sums[n + 2 * k:]) if pid}
     reducer.set_grads(divisor=max(total_targets, 1.0))
     env.maybe_poison_gradient(t.raw_model, state.step + 1)
     # every replica holds the same reduced gradient: the same norm and skip decision, no
     # collective (the default process group is this replica group of one)
     _, grad_norm, skipped = optimizer_step(t.raw_model, t.optimizer, None, grad_clip,
                                            torch.tensor(loss_sum), env.device)
-    return ReducedStep(loss_sum / max(total_targets, 1.0), real, padded, rows, n_mb, cursors,
+    return ReducedStep(loss_sum / max(total_targets, 1.0), real, padded, rows, n_mb, cursors, pids,
                        grad_norm, skipped, t1 - t0, time.perf_counter() - t1)
 
 
@@ -233,7 +240,7 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
                   loss_fn: LossFn | None = None) -> None:
     """Run (or resume) training on this worker as one replica among the live ones."""
     k = num_partitions(cfg)
-    t = build_training(cfg, env, model_fn, loss_fn, reduce_extra=len(SLOTS) + 2 * k)
+    t = build_training(cfg, env, model_fn, loss_fn, reduce_extra=len(SLOTS) + 2 * k + env.world_size)
     replica = Replica(t)
     manager = start_manager(cfg, env, replica)
     attempt = env.begin_attempt()
@@ -251,75 +258,81 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
     best = None  # the best-checkpoint writer, made by the first replica that logs an evaluation
     committed_here = 0  # steps this process committed
     seen, prank = None, None  # the last (quorum id, participants) logged; the participating rank
+    fencer = Fencer(env.fence_after_s, lambda rank, pid, missing_s: _fence(env, rank, pid, missing_s))
     stale_deadline = time.monotonic() + cfg.scaling.collective_timeout_s
-    while not _advance(t.state, cfg, pool):
-        env.step_began(t.state.step + 1)
-        t0 = time.perf_counter()
-        stale = committed_here == 0 and time.monotonic() < stale_deadline
-        verdict = _join_quorum(env, replica, cfg, pool, stale)
-        if verdict != "train":
-            env.step_ended(None)
-            if verdict == "over":
-                break
-            continue
-        n, prank = manager.num_participants(), manager.participating_rank()
-        if (manager._quorum_id, n) != seen:  # torchft 0.2.0 keeps the quorum id private
-            seen = (manager._quorum_id, n)
-            env.log_event({"event": "quorum", "step": t.state.step + 1, "participants": n,
-                           "participating_rank": prank, "quorum_id": seen[0]})
-        state = t.state
-        t_data = time.perf_counter()
-        micro_batches, after = pool.take(owned_partitions(prank, n, k) if prank is not None else [],
-                                         state_cursors(state))
-        wait_s = time.perf_counter() - t_data
-        lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
-        r = in_place_step(t, manager, env, micro_batches, after, lr=lr, grad_clip=cfg.train.grad_clip)
-        if r is None:
-            env.log_event({"event": "step_not_committed", "step": state.step + 1,
-                           "participants": n, "error": repr(manager.errored())[:300]})
-            env.step_ended(None)
-            continue
-        state.cursors = r.cursors
-        if state.count_step(r.skipped, r.real, r.padded, r.rows, cfg.train.max_consecutive_skips):
-            env.handle_nonfinite(state.step, micro_batches)
-        committed_here += 1
-        env.log_consumed(attempt, state, micro_batches)
-        step_time_s = time.perf_counter() - t0
-        if prank == 0:
-            env.log_step({"step": state.step, "epoch": state.epoch, "time": time.time(),
-                          "attempt": attempt, "world_size": n, "loss": r.loss, "lr": lr,
-                          "grad_norm": r.grad_norm, "real_tokens": int(r.real),
-                          "padded_tokens": int(r.padded), "step_time_s": step_time_s,
-                          "data_wait_s": wait_s, "quorum_s": t_data - t0,
-                          "forward_backward_s": r.forward_backward_s, "optimizer_s": r.optimizer_s,
-                          "tokens_per_s": r.real / step_time_s,
-                          "mfu": flops_per_token * r.real / step_time_s / (cfg.log.peak_flops * n),
-                          "skipped": r.skipped, "rows": int(r.rows), "micro_batches": int(r.micro_batches),
-                          "skipped_steps": state.skipped_steps, "recovery": "in_place"})
-        env.inject_faults(state.step)
-        env.step_ended(time.perf_counter() - t0)
-        if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
-            best = _evaluate(cfg, env, t, attempt, best, prank == 0)
-        every = cfg.checkpoint.every_steps
-        if every and state.step % every == 0 and n == env.world_size:
-            _log_reads(env, attempt, reader)
-            save_in_place(env, cfg, t, writer=prank == 0, final=False)
-    manager.shutdown(wait=False)
-    reader.close()
-    _log_reads(env, attempt, reader)
-    if env.joining and not committed_here:
-        # a replacement that found the run over joins the others' final report, without a share
-        env.save_checkpoint(None, env.run_finished(), final=True)
-        return
-    # the last step's first participant logs and writes (the first worker, if this process ran
-    # no step)
-    first = prank == 0 if committed_here else env.world_rank == 0
-    if evaluating and t.state.eval_step != t.state.step:  # the end, unless just evaluated
-        best = _evaluate(cfg, env, t, attempt, best, first)
-    if best is not None:
-        best.wait()
-    env.mark_finished(t.state.step)  # a replacement that starts from now on only reports
-    save_in_place(env, cfg, t, writer=first, final=True)
+    try:
+        while not _advance(t.state, cfg, pool):
+            env.step_began(t.state.step + 1)
+            t0 = time.perf_counter()
+            stale = committed_here == 0 and time.monotonic() < stale_deadline
+            verdict = _join_quorum(env, replica, cfg, pool, stale)
+            if verdict != "train":
+                env.step_ended(None)
+                if verdict == "over":
+                    break
+                continue
+            n, prank = manager.num_participants(), manager.participating_rank()
+            if (manager._quorum_id, n) != seen:  # torchft 0.2.0 keeps the quorum id private
+                seen = (manager._quorum_id, n)
+                env.log_event({"event": "quorum", "step": t.state.step + 1, "participants": n,
+                               "participating_rank": prank, "quorum_id": seen[0]})
+            state = t.state
+            t_data = time.perf_counter()
+            micro_batches, after = pool.take(owned_partitions(prank, n, k) if prank is not None else [],
+                                             state_cursors(state))
+            wait_s = time.perf_counter() - t_data
+            lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
+            r = in_place_step(t, manager, env, micro_batches, after, lr=lr, grad_clip=cfg.train.grad_clip)
+            if r is None:
+                env.log_event({"event": "step_not_committed", "step": state.step + 1,
+                               "participants": n, "error": repr(manager.errored())[:300]})
+                env.step_ended(None)
+                continue
+            state.cursors = r.cursors
+            if state.count_step(r.skipped, r.real, r.padded, r.rows, cfg.train.max_consecutive_skips):
+                env.handle_nonfinite(state.step, micro_batches)
+            committed_here += 1
+            fencer.observe(r.pids, acting=prank == 0)
+            env.log_consumed(attempt, state, micro_batches)
+            step_time_s = time.perf_counter() - t0
+            if prank == 0:
+                env.log_step({"step": state.step, "epoch": state.epoch, "time": time.time(),
+                              "attempt": attempt, "world_size": n, "loss": r.loss, "lr": lr,
+                              "grad_norm": r.grad_norm, "real_tokens": int(r.real),
+                              "padded_tokens": int(r.padded), "step_time_s": step_time_s,
+                              "data_wait_s": wait_s, "quorum_s": t_data - t0,
+                              "forward_backward_s": r.forward_backward_s, "optimizer_s": r.optimizer_s,
+                              "tokens_per_s": r.real / step_time_s,
+                              "mfu": flops_per_token * r.real / step_time_s / (cfg.log.peak_flops * n),
+                              "skipped": r.skipped, "rows": int(r.rows),
+                              "micro_batches": int(r.micro_batches),
+                              "skipped_steps": state.skipped_steps, "recovery": "in_place"})
+            env.inject_faults(state.step)
+            env.step_ended(time.perf_counter() - t0)
+            if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
+                best = _evaluate(cfg, env, t, attempt, best, prank == 0)
+            every = cfg.checkpoint.every_steps
+            if every and state.step % every == 0 and n == env.world_size:
+                _log_reads(env, attempt, reader)
+                save_in_place(env, cfg, t, writer=prank == 0, final=False)
+        manager.shutdown(wait=False)
+        reader.close()
+        _log_reads(env, attempt, reader)
+        if env.joining and not committed_here:
+            # a replacement that found the run over joins the others' final report, without a share
+            env.save_checkpoint(None, env.run_finished(), final=True)
+            return
+        # the last step's first participant logs and writes (the first worker, if this process ran
+        # no step)
+        first = prank == 0 if committed_here else env.world_rank == 0
+        if evaluating and t.state.eval_step != t.state.step:  # the end, unless just evaluated
+            best = _evaluate(cfg, env, t, attempt, best, first)
+        if best is not None:
+            best.wait()
+        env.mark_finished(t.state.step)  # a replacement that starts from now on only reports
+        save_in_place(env, cfg, t, writer=first, final=True)
+    finally:
+        fencer.stop()
 
 
 def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: PartitionPool,
@@ -346,6 +359,13 @@ def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: Partition
         return "over"
     time.sleep(STALE_POLL_S)
     return "wait"
+
+
+def _fence(env: InPlaceEnv, rank: int, pid: int, missing_s: float) -> None:
+    """End a replica's process that no step has seen for env.fence_after_s (fence.py)."""
+    env.log_event({"event": "fencing", "lost_rank": rank, "lost_pid": pid,
+                   "missing_s": round(missing_s, 1)})
+    env.fence(rank, pid, missing_s)
 
 
 def _evaluate(cfg: Config, env: WorkerEnv, t: Training, attempt: int,

@@ -99,6 +99,7 @@ class RunLog:
         self.group_ready: set[int] = set()  # ... its workers ready for their first quorum
         self.finished_step: int | None = None  # ... and where its training ended
         self.replacements = 0  # ... and how many lost workers were replaced in place
+        self.replicas: dict[tuple[int, int], tuple[str, float]] = {}  # ... (rank, pid): (node, start)
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
         # The driver starts the RunLog as the fit starts; the run folder is `<storage>/<run.name>`.
@@ -131,6 +132,28 @@ class RunLog:
         """In-place recovery: a replacement joins the current attempt (no restart)."""
         self.replacements += 1
         return max(len(self.attempts) - 1, 0)
+
+    def register_replica(self, world_rank: int, pid: int, node_id: str, process_start: float) -> None:
+        """In-place recovery: where a replica's process runs, should it have to be fenced."""
+        self.replicas[(world_rank, pid)] = (node_id, process_start)
+
+    def fence(self, world_rank: int, pid: int, missing_s: float) -> None:
+        """In-place recovery: end that replica's process, missing from every step for `missing_s`
+        (fence.py), by a task pinned to its node; the task logs the outcome."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from elastic_train.fence import fence_task
+
+        record = {"event": "fenced", "rank": world_rank, "pid": pid, "missing_s": round(missing_s, 1)}
+        where = self.replicas.get((world_rank, pid))
+        if where is None:
+            self.log_event({**record, "outcome": "not fenced: unknown process"})
+            return
+        node_id, process_start = where
+        record["node_id"] = node_id
+        strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        fence_task.options(scheduling_strategy=strategy).remote(
+            pid, process_start, ray.get_runtime_context().current_actor, record)
 
     def mark_finished(self, step: int) -> None:
         self.finished_step = step if self.finished_step is None else max(self.finished_step, step)

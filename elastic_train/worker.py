@@ -230,6 +230,9 @@ class RayWorkerEnv:
     # -- logging ---------------------------------------------------------------------------------
     def begin_attempt(self) -> int:
         if self.group is not None:  # in-place recovery: no collective across the replicas
+            w = self.whereabouts
+            ray.get(self.runlog.register_replica.remote(self.world_rank, w["pid"], w["node_id"],
+                                                        self.startup["process_start"]))
             if self.joining:
                 self.attempt = ray.get(self.runlog.join_attempt.remote())
                 self.log_event({"event": "replacement_joined", "attempt": self.attempt})
@@ -271,6 +274,17 @@ class RayWorkerEnv:
 
     def mark_finished(self, step: int) -> None:
         ray.get(self.runlog.mark_finished.remote(step))
+
+    @property
+    def fence_after_s(self) -> float:
+        """A replica missing this long is frozen (fence.py): by default, its own watchdog would
+        have ended it by then, and written its last event."""
+        if self.fault.fence_after_s is not None:
+            return self.fault.fence_after_s
+        return self.watchdog.timeout_s + LAST_EVENT_WAIT_S
+
+    def fence(self, world_rank: int, pid: int, missing_s: float) -> None:
+        self.runlog.fence.remote(world_rank, pid, missing_s)
 
     def log_event(self, record: dict[str, Any]) -> Any:
         return self.runlog.log_event.remote({**self.whereabouts, **record})

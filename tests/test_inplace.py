@@ -5,10 +5,15 @@ the run is the same to the bit as one that was never interrupted, every sample o
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 from test_hangs import MARGIN_S, SLOW_TEST_S, Freezer
 from test_train_ray import assert_same_training, metrics, read_events, run
@@ -28,6 +33,7 @@ def steps(result) -> list[dict]:
 def evals(result) -> dict[int, float]:
     return {r["step"]: r["eval_loss"] for r in metrics(result) if "eval_loss" in r}
 TIMEOUT_S = 15  # scaling.collective_timeout_s of the frozen run
+FENCE_S = 5  # its fault.fence_after_s
 
 
 @pytest.fixture(scope="module")
@@ -83,28 +89,33 @@ def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference
                                                                        tmp_path):
     """Rank 1 SIGSTOPped at step 8 or a little later (a slowed rank 1 gives the test time): the
     survivor's all-reduce gives up after scaling.collective_timeout_s, that step is trained again
-    alone, and once the frozen process is gone (Ray's health check fails it after the same timeout
-    and ends it, or, as Ray 2.60 did not in one run of three here, the test reclaims it as a cloud
-    reclaims a dead machine) Ray replaces it, and the replacement heals and joins (rank 0 waits
-    for it after step 16). No checkpoint until step 20:
-    a checkpoint is reported to Ray by every worker (a barrier), which would hold the survivor
+    alone, and the frozen process, missing from every step for fault.fence_after_s (5 s here, well
+    before Ray's health check fails it after the collective timeout), is fenced: the survivor has a
+    task on its node end it. Ray sees the actor die, replaces it, and the replacement heals and
+    joins (rank 0 waits for it after step 16). The test would reclaim the process itself (as a
+    cloud reclaims a dead machine) only if that failed, and then fails. No checkpoint until step
+    20: a checkpoint is reported to Ray by every worker (a barrier), which would hold the survivor
     until Ray has replaced the frozen worker (README: in-place recovery)."""
-    freezer = Freezer(tmp_path / "frozen", step=8, reclaim_after_s=TIMEOUT_S + MARGIN_S + 60)
+    freezer = Freezer(tmp_path / "frozen", step=8, reclaim_after_s=FENCE_S + MARGIN_S + 60)
     watcher = threading.Thread(target=freezer.watch, daemon=True)
     watcher.start()
     try:
         result = run(tmp_path, small_dataset, "frozen", *IN_PLACE,
                      f"scaling.collective_timeout_s={TIMEOUT_S}",
-                     "fault.slow_rank=1", "fault.slow_step_s=0.3",
+                     "fault.slow_rank=1", "fault.slow_step_s=0.3", f"fault.fence_after_s={FENCE_S}",
                      "fault.wait_for_replacement_at_step=16", "checkpoint.every_steps=20")
     finally:
         leaked = freezer.release()
         watcher.join()
     assert freezer.stopped_at is not None, "the run ended before the test could freeze rank 1"
     assert not leaked, "Ray left the frozen worker process behind"
+    assert not freezer.reclaimed, "the survivor did not fence the frozen worker"
     s = result.summary
     assert s["status"] == "finished" and s["restarts"] == 0 and s["replayed_steps"] == 0
     events = read_events(result)
+    fenced = [e for e in events if e["event"] == "fenced"]
+    assert len(fenced) == 1 and fenced[0]["outcome"] == "killed", fenced
+    assert (fenced[0]["rank"], fenced[0]["pid"]) == (1, freezer.process.pid), fenced
     survivor = {e["pid"] for e in events if e.get("rank") == 0 and "pid" in e}
     assert len(survivor) == 1, survivor
     recs = steps(result)
@@ -116,6 +127,37 @@ def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference
     replaced_s = freezer.ended_at - freezer.stopped_at
     print(f"\nSIGSTOP of rank 1 (collective_timeout_s={TIMEOUT_S}): the survivor's next committed "
           f"step after {detected_s:.1f} s, the frozen process ended after {replaced_s:.1f} s "
-          f"({'reclaimed by the test' if freezer.reclaimed else 'by Ray'})")
+          f"(fenced by the survivor, fault.fence_after_s={FENCE_S})")
     assert detected_s < TIMEOUT_S + MARGIN_S
+    # missing from the first step the survivor committed alone, plus the fence's poll and task
+    assert replaced_s < detected_s + FENCE_S + MARGIN_S
     assert_same_training(result, reference)
+
+
+def test_the_run_log_fences_a_registered_process_on_its_node(ray_cluster, tmp_path):
+    """RunLog.fence: a stopped child process registered as rank 1's is ended by a task on its
+    node, the outcome in the events; a process never registered is not touched."""
+    import ray
+
+    from elastic_train.runlog import RunLog
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        child.send_signal(signal.SIGSTOP)
+        runlog = RunLog.remote(str(tmp_path / "run"))
+        node_id = ray.get_runtime_context().get_node_id()
+        ray.get(runlog.register_replica.remote(1, child.pid, node_id,
+                                               psutil.Process(child.pid).create_time()))
+        ray.get(runlog.fence.remote(0, child.pid, 60.0))  # not registered as rank 0's
+        ray.get(runlog.fence.remote(1, child.pid, 61.0))
+        assert child.wait(timeout=120) == -signal.SIGKILL
+        path = tmp_path / "run" / "events.jsonl"
+        wait_for = time.monotonic() + 60
+        while len(fenced := [json.loads(x) for x in path.read_text().splitlines()]) < 2:
+            assert time.monotonic() < wait_for, fenced
+            time.sleep(0.1)
+        outcomes = {e["rank"]: e["outcome"] for e in fenced if e["event"] == "fenced"}
+        assert outcomes == {0: "not fenced: unknown process", 1: "killed"}, fenced
+    finally:
+        child.kill()
+        child.wait()

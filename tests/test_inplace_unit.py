@@ -1,16 +1,22 @@
 """In-place recovery without Ray: the partition pool follows ownership changes step by step and
-gives exactly the micro-batches of the fixed plan; what the mode does not do is refused by name."""
+gives exactly the micro-batches of the fixed plan; what the mode does not do is refused by name;
+a frozen replica's process is found and ended, never another."""
 
 from __future__ import annotations
 
 import itertools
+import signal
+import subprocess
+import sys
 
+import psutil
 import pytest
 from test_plan import K, spec, table_of, write_rows
 
 from elastic_train import load_config
 from elastic_train.blocks import BlockReader, iter_rank_steps
 from elastic_train.config import ConfigError
+from elastic_train.fence import MissingReplicas, end_process
 from elastic_train.inplace import PartitionPool
 from elastic_train.plan import owned_partitions
 
@@ -63,3 +69,49 @@ def test_in_place_refuses_what_it_does_not_do():
         load_config(None, ["fault.recovery=sometimes"])
     with pytest.raises(ConfigError, match="test hook of fault.recovery=in_place"):
         load_config(None, ["fault.wait_for_replacement_at_step=3"])
+    with pytest.raises(ConfigError, match="fault.fence_after_s applies to fault.recovery=in_place"):
+        load_config(None, ["fault.fence_after_s=30"])
+    with pytest.raises(ConfigError, match="fault.fence_after_s must be >= 1"):
+        load_config(None, [*base, "fault.fence_after_s=0"])
+    assert load_config(None, [*base, "fault.fence_after_s=30"]).fault.fence_after_s == 30
+
+
+def test_a_replica_missing_past_the_deadline_is_due_once_and_never_its_replacement():
+    """Ranks 0 and 1 (pid 11) take part, then rank 1 misses the steps: due once its absence
+    reaches the deadline (asked between steps too: the survivor may be waiting), never again for
+    that process; its replacement (pid 12) is not tracked before it takes part, and when it does
+    the clock starts over."""
+    now = [0.0]
+    missing = MissingReplicas(after_s=10, clock=lambda: now[0])
+    missing.observe({0: 10, 1: 11})
+    for t, observe, due in [(1, True, []), (10.5, True, []), (11, False, [(1, 11, 10.0)]),
+                            (30, True, []), (31, False, [])]:
+        now[0] = t
+        if observe:
+            missing.observe({0: 10})
+        assert missing.due() == due, t
+    now[0] = 32
+    missing.observe({0: 10, 1: 12})  # the replacement joined
+    for t, observe, due in [(35, True, []), (44, False, []), (45, False, [(1, 12, 10.0)])]:
+        now[0] = t  # ... and went missing too
+        if observe:
+            missing.observe({0: 10})
+        assert missing.due() == due, t
+    assert missing.due() == []
+
+
+def test_end_process_kills_a_frozen_process_only_if_it_is_the_one_that_went_missing():
+    """A real child process, stopped with SIGSTOP: a wrong start time (its pid reused by another
+    process) leaves it alone; the right one ends it."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        child.send_signal(signal.SIGSTOP)
+        started = psutil.Process(child.pid).create_time()
+        assert end_process(child.pid, started - 5) == "gone (its pid is another process's now)"
+        assert child.poll() is None
+        assert end_process(child.pid, started) == "killed"
+        assert child.wait(timeout=30) == -signal.SIGKILL
+        assert end_process(child.pid, started) == "gone"
+    finally:
+        child.kill()
+        child.wait()
