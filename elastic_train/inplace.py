@@ -60,9 +60,7 @@ from elastic_train.model import ModelFn, count_parameters, input_embedding_rows,
 from elastic_train.optim import lr_at, set_lr
 from elastic_train.plan import StreamSpec, assign_blocks, owned_partitions
 
-# The step's numbers that ride after the gradient in its one all-reduce; then (window, taken) of
-# every partition's cursor after the step (summed: each partition has one owner); then each world
-# rank's pid, 0 for a rank not taking part (fence.py).
+# The step's numbers that ride after the gradient in its one all-reduce (see Layout).
 SLOTS = ("loss", "targets", "real", "padded", "rows", "micro_batches")
 STALE_POLL_S = 0.2  # a joiner alone behind the run: how often it looks for its peers again
 
@@ -177,7 +175,44 @@ class InPlaceEnv(WorkerEnv, Protocol):
     def run_finished(self) -> int | None: ...  # the step the run's training ended at, if it has
     def latest_step(self) -> int | None: ...  # the latest step logged
     def mark_finished(self, step: int) -> None: ...
+    # a committed step's record and sample ids (all partitions'; None: not recorded), sent by
+    # every participant: the first to arrive is kept
+    def log_committed(self, record: dict[str, Any], ids: list[int] | None) -> None: ...
     def fence(self, world_rank: int, pid: int, missing_s: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The float64 slots after the gradient in a step's all-reduce: SLOTS; (window, taken) of
+    every partition's cursor after the step (summed: each partition has one owner); each world
+    rank's pid, 0 for a rank not taking part (fence.py); with data.record_ids, each partition's
+    sample ids + 1 (0: no row; a micro-batch has at most micro_batch_tokens rows), so that any
+    participant can log the whole step, and a replica lost right after it leaves no gap."""
+
+    partitions: int
+    world_size: int
+    ids_per_partition: int  # 0: ids not recorded
+
+    @classmethod
+    def of(cls, cfg: Config, world_size: int) -> Layout:
+        return cls(num_partitions(cfg), world_size,
+                   cfg.data.micro_batch_tokens if cfg.data.record_ids else 0)
+
+    @property
+    def cursors(self) -> int:
+        return len(SLOTS)
+
+    @property
+    def pids(self) -> int:
+        return self.cursors + 2 * self.partitions
+
+    @property
+    def ids(self) -> int:
+        return self.pids + self.world_size
+
+    @property
+    def size(self) -> int:
+        return self.ids + self.partitions * self.ids_per_partition
 
 
 @dataclass
@@ -191,14 +226,16 @@ class ReducedStep:
     micro_batches: float
     cursors: dict[str, list[int]]  # every partition's, after the step
     pids: dict[int, int]  # world rank: pid, of the participants
+    ids: list[int] | None  # the step's sample ids, every partition's (data.record_ids)
     grad_norm: float
     skipped: bool
     forward_backward_s: float
     optimizer_s: float
 
 
-def in_place_step(t: Training, manager: Any, env: InPlaceEnv, micro_batches: list[MicroBatch],
-                  after: dict[int, Cursor], *, lr: float, grad_clip: float) -> ReducedStep | None:
+def in_place_step(t: Training, manager: Any, env: InPlaceEnv, layout: Layout,
+                  micro_batches: list[MicroBatch], after: dict[int, Cursor], *, lr: float,
+                  grad_clip: float) -> ReducedStep | None:
     """This replica's micro-batches of step `t.state.step + 1`: gradient sums and counts into the
     float64 buffer, one SUM all-reduce through the Manager, and, if the quorum commits the step,
     the update (None if it does not: nothing changed, the step is trained again)."""
@@ -207,15 +244,18 @@ def in_place_step(t: Training, manager: Any, env: InPlaceEnv, micro_batches: lis
     t.optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     loss, targets = accumulate(t.model, micro_batches, setup=t.setup, scale=1.0, step=state.step)
-    n = len(SLOTS)
-    reducer.extra[:n] = torch.tensor(
+    extra, n, k = reducer.extra, layout.cursors, layout.partitions
+    extra[:n] = torch.tensor(
         [float(loss), targets, sum(mb.real_tokens for mb in micro_batches),
          sum(mb.padded_tokens for mb in micro_batches), sum(len(mb.ids) for mb in micro_batches),
          len(micro_batches)], dtype=torch.float64)
     for p, (window, taken) in after.items():
-        reducer.extra[n + 2 * p: n + 2 * p + 2] = torch.tensor([window, taken], dtype=torch.float64)
-    k = (len(reducer.extra) - n - env.world_size) // 2
-    reducer.extra[n + 2 * k + env.world_rank] = os.getpid()
+        extra[n + 2 * p: n + 2 * p + 2] = torch.tensor([window, taken], dtype=torch.float64)
+    extra[layout.pids + env.world_rank] = os.getpid()
+    if layout.ids_per_partition:
+        for mb in micro_batches:
+            start = layout.ids + mb.partition * layout.ids_per_partition
+            extra[start: start + len(mb.ids)] = torch.from_numpy(mb.ids.astype("float64") + 1)
     manager.allreduce(reducer.buffer, reduce_op=ReduceOp.SUM).wait()
     if not manager.should_commit():
         reducer.buffer.zero_()
@@ -225,7 +265,8 @@ def in_place_step(t: Training, manager: Any, env: InPlaceEnv, micro_batches: lis
     sums = reducer.extra.tolist()
     loss_sum, total_targets, real, padded, rows, n_mb = sums[:n]
     cursors = {str(p): [int(sums[n + 2 * p]), int(sums[n + 2 * p + 1])] for p in range(k)}
-    pids = {rank: int(pid) for rank, pid in enumerate(sums[n + 2 * k:]) if pid}
+    pids = {rank: int(pid) for rank, pid in enumerate(sums[layout.pids:layout.ids]) if pid}
+    ids = [int(i) - 1 for i in sums[layout.ids:] if i] if layout.ids_per_partition else None
     reducer.set_grads(divisor=max(total_targets, 1.0))
     env.maybe_poison_gradient(t.raw_model, state.step + 1)
     # every replica holds the same reduced gradient: the same norm and skip decision, no
@@ -233,14 +274,15 @@ def in_place_step(t: Training, manager: Any, env: InPlaceEnv, micro_batches: lis
     _, grad_norm, skipped = optimizer_step(t.raw_model, t.optimizer, None, grad_clip,
                                            torch.tensor(loss_sum), env.device)
     return ReducedStep(loss_sum / max(total_targets, 1.0), real, padded, rows, n_mb, cursors, pids,
-                       grad_norm, skipped, t1 - t0, time.perf_counter() - t1)
+                       ids, grad_norm, skipped, t1 - t0, time.perf_counter() - t1)
 
 
 def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
                   loss_fn: LossFn | None = None) -> None:
     """Run (or resume) training on this worker as one replica among the live ones."""
     k = num_partitions(cfg)
-    t = build_training(cfg, env, model_fn, loss_fn, reduce_extra=len(SLOTS) + 2 * k + env.world_size)
+    layout = Layout.of(cfg, env.world_size)
+    t = build_training(cfg, env, model_fn, loss_fn, reduce_extra=layout.size)
     replica = Replica(t)
     manager = start_manager(cfg, env, replica)
     attempt = env.begin_attempt()
@@ -282,7 +324,8 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
                                              state_cursors(state))
             wait_s = time.perf_counter() - t_data
             lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
-            r = in_place_step(t, manager, env, micro_batches, after, lr=lr, grad_clip=cfg.train.grad_clip)
+            r = in_place_step(t, manager, env, layout, micro_batches, after, lr=lr,
+                              grad_clip=cfg.train.grad_clip)
             if r is None:
                 env.log_event({"event": "step_not_committed", "step": state.step + 1,
                                "participants": n, "error": repr(manager.errored())[:300]})
@@ -293,20 +336,20 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
                 env.handle_nonfinite(state.step, micro_batches)
             committed_here += 1
             fencer.observe(r.pids, acting=prank == 0)
-            env.log_consumed(attempt, state, micro_batches)
             step_time_s = time.perf_counter() - t0
-            if prank == 0:
-                env.log_step({"step": state.step, "epoch": state.epoch, "time": time.time(),
-                              "attempt": attempt, "world_size": n, "loss": r.loss, "lr": lr,
-                              "grad_norm": r.grad_norm, "real_tokens": int(r.real),
-                              "padded_tokens": int(r.padded), "step_time_s": step_time_s,
-                              "data_wait_s": wait_s, "quorum_s": t_data - t0,
-                              "forward_backward_s": r.forward_backward_s, "optimizer_s": r.optimizer_s,
-                              "tokens_per_s": r.real / step_time_s,
-                              "mfu": flops_per_token * r.real / step_time_s / (cfg.log.peak_flops * n),
-                              "skipped": r.skipped, "rows": int(r.rows),
-                              "micro_batches": int(r.micro_batches),
-                              "skipped_steps": state.skipped_steps, "recovery": "in_place"})
+            # every participant sends it (the RunLog keeps the first): a replica lost right
+            # after the step leaves no gap in metrics.jsonl or consumed/
+            env.log_committed({"step": state.step, "epoch": state.epoch, "time": time.time(),
+                               "attempt": attempt, "world_size": n, "loss": r.loss, "lr": lr,
+                               "grad_norm": r.grad_norm, "real_tokens": int(r.real),
+                               "padded_tokens": int(r.padded), "step_time_s": step_time_s,
+                               "data_wait_s": wait_s, "quorum_s": t_data - t0,
+                               "forward_backward_s": r.forward_backward_s, "optimizer_s": r.optimizer_s,
+                               "tokens_per_s": r.real / step_time_s,
+                               "mfu": flops_per_token * r.real / step_time_s / (cfg.log.peak_flops * n),
+                               "skipped": r.skipped, "rows": int(r.rows),
+                               "micro_batches": int(r.micro_batches), "logged_by": env.world_rank,
+                               "skipped_steps": state.skipped_steps, "recovery": "in_place"}, r.ids)
             env.inject_faults(state.step)
             env.step_ended(time.perf_counter() - t0)
             if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:

@@ -667,6 +667,14 @@ def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], at
                              cfg.to_dict(), env.world_size, env.provenance), state.step, result.loss)
 
 
+def _memory(process: psutil.Process) -> dict[str, int]:
+    """The worker's resident memory, and the part of it that is its own: without the pages it
+    shares (Ray's object store, mapped files), which grow as it touches more of them and are
+    no leak of the process."""
+    mem = process.memory_info()
+    return {"rss_bytes": mem.rss, "rss_private_bytes": mem.rss - getattr(mem, "shared", 0)}
+
+
 def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                loss_fn: LossFn | None = None) -> None:
     """Run (or resume) training on this worker until max_steps or the last epoch."""
@@ -742,7 +750,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                         + tail_s,
                         tokens_per_s=real / step_time_s,
                         mfu=flops_per_token * real / step_time_s / (cfg.log.peak_flops * world_size),
-                        rss_bytes=process.memory_info().rss, skipped=result.skipped, rows=int(rows),
+                        **_memory(process), skipped=result.skipped, rows=int(rows),
                         micro_batches=int(n_mb), **_cuda_memory(env.device),
                         **(_rank_fields(per_rank, world_size) if previous else {}),
                     ))

@@ -100,6 +100,7 @@ class RunLog:
         self.finished_step: int | None = None  # ... and where its training ended
         self.replacements = 0  # ... and how many lost workers were replaced in place
         self.replicas: dict[tuple[int, int], tuple[str, float]] = {}  # ... (rank, pid): (node, start)
+        self.committed: tuple[int, int] | None = None  # ... the (attempt, step) last logged
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
         # The driver starts the RunLog as the fit starts; the run folder is `<storage>/<run.name>`.
@@ -167,6 +168,18 @@ class RunLog:
         self.latest = record
         self._log_metrics(record)
         self.metrics.on_step(record)
+
+    def log_committed(self, record: dict[str, Any], line: dict[str, Any] | None) -> None:
+        """In-place recovery: every participant of a committed step sends its record and, with
+        data.record_ids, a line of all its sample ids; the first is kept (within an attempt the
+        committed steps only go up), so a replica lost right after the step leaves no gap."""
+        key = (record["attempt"], record["step"])
+        if self.committed is not None and key <= self.committed:
+            return
+        self.committed = key
+        self.log_step(record)
+        if line is not None:
+            self.folder.append(f"consumed/attempt{record['attempt']:03d}-steps.jsonl", [json.dumps(line)])
 
     def log_eval(self, record: dict[str, Any]) -> None:
         """An evaluation's record: in metrics.jsonl too, told apart by its `eval_loss`."""

@@ -283,6 +283,13 @@ class RayWorkerEnv:
             return self.fault.fence_after_s
         return self.watchdog.timeout_s + LAST_EVENT_WAIT_S
 
+    def log_committed(self, record: dict[str, Any], ids: list[int] | None) -> None:
+        line = None
+        if ids is not None:
+            line = {"attempt": record["attempt"], "step": record["step"], "epoch": record["epoch"],
+                    "participants": record["world_size"], "ids": ids}
+        self.runlog.log_committed.remote(record, line)
+
     def fence(self, world_rank: int, pid: int, missing_s: float) -> None:
         self.runlog.fence.remote(world_rank, pid, missing_s)
 
