@@ -152,6 +152,9 @@ class RunLog:
             return
         node_id, process_start = where
         record["node_id"] = node_id
+        if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            self.log_event({**record, "outcome": "gone with its node"})
+            return
         strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
         fence_task.options(scheduling_strategy=strategy).remote(
             pid, process_start, ray.get_runtime_context().current_actor, record)

@@ -136,7 +136,8 @@ def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference
 
 def test_the_run_log_fences_a_registered_process_on_its_node(ray_cluster, tmp_path):
     """RunLog.fence: a stopped child process registered as rank 1's is ended by a task on its
-    node, the outcome in the events; a process never registered is not touched."""
+    node, the outcome in the events; a process never registered, or registered on a node that is
+    gone, is not touched."""
     import ray
 
     from elastic_train.runlog import RunLog
@@ -148,16 +149,19 @@ def test_the_run_log_fences_a_registered_process_on_its_node(ray_cluster, tmp_pa
         node_id = ray.get_runtime_context().get_node_id()
         ray.get(runlog.register_replica.remote(1, child.pid, node_id,
                                                psutil.Process(child.pid).create_time()))
+        ray.get(runlog.register_replica.remote(2, child.pid, "f" * 56, 0.0))  # a lost node's
         ray.get(runlog.fence.remote(0, child.pid, 60.0))  # not registered as rank 0's
+        ray.get(runlog.fence.remote(2, child.pid, 60.0))
+        assert child.poll() is None
         ray.get(runlog.fence.remote(1, child.pid, 61.0))
         assert child.wait(timeout=120) == -signal.SIGKILL
         path = tmp_path / "run" / "events.jsonl"
         wait_for = time.monotonic() + 60
-        while len(fenced := [json.loads(x) for x in path.read_text().splitlines()]) < 2:
+        while len(fenced := [json.loads(x) for x in path.read_text().splitlines()]) < 3:
             assert time.monotonic() < wait_for, fenced
             time.sleep(0.1)
         outcomes = {e["rank"]: e["outcome"] for e in fenced if e["event"] == "fenced"}
-        assert outcomes == {0: "not fenced: unknown process", 1: "killed"}, fenced
+        assert outcomes == {0: "not fenced: unknown process", 2: "gone with its node", 1: "killed"}, fenced
     finally:
         child.kill()
         child.wait()
