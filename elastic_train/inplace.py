@@ -412,13 +412,14 @@ def _fence(env: InPlaceEnv, rank: int, pid: int, missing_s: float) -> None:
 
 
 def _evaluate(cfg: Config, env: WorkerEnv, t: Training, attempt: int,
-              best: BestCheckpointWriter | None, log: bool) -> BestCheckpointWriter | None:
+              best: BestCheckpointWriter | None, first: bool) -> BestCheckpointWriter | None:
     """Every replica evaluates every partition itself, with no collective (a lost replica cannot
     hold the others in one): the same result on each, and at any number of replicas; it costs each
-    replica the whole evaluation. The quorum's first participant logs it and keeps the best."""
-    if log and best is None and cfg.checkpoint.keep_best:
+    replica the whole evaluation. Every replica sends the record (the RunLog keeps the first: a
+    replica lost right after leaves no gap); the quorum's first participant keeps the best."""
+    if first and best is None and cfg.checkpoint.keep_best:
         best = env.best_writer()
-    run_eval(cfg, env, t, list(range(num_partitions(cfg))), attempt, best if log else None, log)
+    run_eval(cfg, env, t, list(range(num_partitions(cfg))), attempt, best if first else None, True)
     return best
 
 

@@ -641,8 +641,8 @@ def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, par
 
 def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], attempt: int,
              best: BestCheckpointWriter | None, log: bool) -> None:
-    """Evaluate `partitions` after the current step; if `log` (one rank), log it and keep a new
-    best checkpoint."""
+    """Evaluate `partitions` after the current step; if `log`, log it; keep a new best
+    checkpoint through `best` if given."""
     state = t.state
     reader = make_reader(cfg.data.reader, env.eval_table, env.extra_columns,
                          input_embedding_rows(t.raw_model))

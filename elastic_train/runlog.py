@@ -101,6 +101,7 @@ class RunLog:
         self.replacements = 0  # ... and how many lost workers were replaced in place
         self.replicas: dict[tuple[int, int], tuple[str, float]] = {}  # ... (rank, pid): (node, start)
         self.committed: tuple[int, int] | None = None  # ... the (attempt, step) last logged
+        self.evaluated: tuple[int, int] | None = None  # the (attempt, step) of the last evaluation logged
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
         # The driver starts the RunLog as the fit starts; the run folder is `<storage>/<run.name>`.
@@ -185,7 +186,12 @@ class RunLog:
             self.folder.append(f"consumed/attempt{record['attempt']:03d}-steps.jsonl", [json.dumps(line)])
 
     def log_eval(self, record: dict[str, Any]) -> None:
-        """An evaluation's record: in metrics.jsonl too, told apart by its `eval_loss`."""
+        """An evaluation's record: in metrics.jsonl too, told apart by its `eval_loss`. In place,
+        every replica sends it: the first of each (attempt, step) is kept."""
+        key = (record["attempt"], record["step"])
+        if self.evaluated is not None and key <= self.evaluated:
+            return
+        self.evaluated = key
         self.latest_eval = record
         self._log_metrics(record)
 

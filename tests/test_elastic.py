@@ -394,12 +394,15 @@ def test_in_place_a_lost_node_is_replaced_while_the_survivor_trains_on(cluster, 
                                                                       small_dataset, tmp_path):
     """Two workers in place on two slot nodes, a third free: one worker's node is killed. The other
     trains on alone in the same process; Ray places the replacement on the free node, it heals
-    from the survivor and joins (the survivor waits for it after step 30). The run is the one
-    worker's uninterrupted in-place run to the bit: every sample once per epoch."""
+    from the survivor and joins (the survivor waits for it after step 150, so that it surely
+    joins before the run ends: 327 steps). The run is the one worker's uninterrupted in-place run
+    to the bit: every sample once per epoch. (With the wait at step 30, a quiet machine once
+    trained both workers to step 30 in the second between the test seeing step 5 and the lost
+    node's worker dying: no step ran alone.)"""
     set_slot_nodes(cluster, 3)
     bg = Background(config(tmp_path, small_dataset, "node_in_place", "scaling.min_workers=2",
                            "scaling.max_workers=2", "fault.recovery=in_place",
-                           "fault.wait_for_replacement_at_step=30"))
+                           "fault.wait_for_replacement_at_step=150"))
     assert bg.wait_step(5, timeout=180)["world_size"] == 2
     events = [json.loads(x) for x in (bg.run_dir / "events.jsonl").read_text().splitlines()]
     starts = {e["node_id"]: e for e in events if e["event"] == "start"}
@@ -421,7 +424,8 @@ def test_in_place_a_lost_node_is_replaced_while_the_survivor_trains_on(cluster, 
     recs = sorted(metrics(result), key=lambda r: r["step"])
     assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))
     alone = [r for r in recs if r["world_size"] == 1]
-    assert alone and alone[0]["time"] > removed_at and recs[-1]["world_size"] == 2
+    assert alone, "both workers reached step 150 before the node was lost"
+    assert alone[0]["time"] > removed_at and recs[-1]["world_size"] == 2
     print(f"in place, node lost: the survivor's next step {alone[0]['time'] - removed_at:.1f} s "
           f"after, the replacement joined {joined[0]['time'] - removed_at:.1f} s after")
     check_same_training(result, in_place_reference, small_dataset)

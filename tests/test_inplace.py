@@ -53,6 +53,10 @@ def test_in_place_run_trains_every_id_once_at_two_workers(reference):
     ids = [i for f in (Path(reference.run_dir) / "consumed").glob("*.jsonl")
            for line in f.read_text().splitlines() for i in json.loads(line)["ids"]]
     assert set(Counter(ids).values()) == {2}  # each id once in each of the 2 epochs
+    # every replica sends each step's and evaluation's record; the run log keeps one of each
+    eval_steps = [r["step"] for r in metrics(reference) if "eval_loss" in r]
+    assert len(eval_steps) == len(set(eval_steps)) >= 4, eval_steps
+    assert {r["logged_by"] for r in recs} <= {0, 1}
 
 
 def test_survivor_trains_on_and_the_replacement_heals_and_joins(reference, small_dataset, tmp_path):
