@@ -100,8 +100,7 @@ class RunLog:
         self.finished_step: int | None = None  # ... and where its training ended
         self.replacements = 0  # ... and how many lost workers were replaced in place
         self.replicas: dict[tuple[int, int], tuple[str, float]] = {}  # ... (rank, pid): (node, start)
-        self.committed: tuple[int, int] | None = None  # ... the (attempt, step) last logged
-        self.evaluated: tuple[int, int] | None = None  # the (attempt, step) of the last evaluation logged
+        self.last_logged: dict[str, tuple[int, int]] = {}  # ... "step"/"eval": its (attempt, step)
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
         # The driver starts the RunLog as the fit starts; the run folder is `<storage>/<run.name>`.
@@ -177,10 +176,8 @@ class RunLog:
         """In-place recovery: every participant of a committed step sends its record and, with
         data.record_ids, a line of all its sample ids; the first is kept (within an attempt the
         committed steps only go up), so a replica lost right after the step leaves no gap."""
-        key = (record["attempt"], record["step"])
-        if self.committed is not None and key <= self.committed:
+        if not self._first("step", record):
             return
-        self.committed = key
         self.log_step(record)
         if line is not None:
             self.folder.append(f"consumed/attempt{record['attempt']:03d}-steps.jsonl", [json.dumps(line)])
@@ -188,12 +185,19 @@ class RunLog:
     def log_eval(self, record: dict[str, Any]) -> None:
         """An evaluation's record: in metrics.jsonl too, told apart by its `eval_loss`. In place,
         every replica sends it: the first of each (attempt, step) is kept."""
-        key = (record["attempt"], record["step"])
-        if self.evaluated is not None and key <= self.evaluated:
+        if not self._first("eval", record):
             return
-        self.evaluated = key
         self.latest_eval = record
         self._log_metrics(record)
+
+    def _first(self, kind: str, record: dict[str, Any]) -> bool:
+        """True for the first record of its (attempt, step) of this kind: within an attempt the
+        steps only go up, so anything not past the last one logged was logged."""
+        key = (record["attempt"], record["step"])
+        if key <= self.last_logged.get(kind, (-1, -1)):
+            return False
+        self.last_logged[kind] = key
+        return True
 
     def _log_metrics(self, record: dict[str, Any]) -> None:
         self.folder.append("metrics.jsonl", [json.dumps(record)])
