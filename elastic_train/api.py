@@ -46,7 +46,7 @@ from elastic_train.console import RAY_LOG, ray_console, ray_train_logging, route
 from elastic_train.cpushare import TrainFirst
 from elastic_train.losses import LossFn
 from elastic_train.model import BYTE_VOCAB, ModelFn, build_model, input_embedding_rows
-from elastic_train.nodewatch import NodeWatcher
+from elastic_train.nodewatch import CheckpointBeforeGrow, ElasticScalingPolicy, NodeWatcher
 from elastic_train.prepare import DatasetInfo, default_corpus_dir, inspect_dataset
 from elastic_train.rowgroups import hold_out
 from elastic_train.runlog import RunLog, split_uri
@@ -418,6 +418,7 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
         ),
     )
     trainer.pg_cleaner = pg_cleaner
+    trainer.runlog = None if in_place else runlog
     return trainer
 
 
@@ -433,7 +434,12 @@ def torch_config(cfg: Config) -> TorchConfig:
 
 
 class Trainer(TorchTrainer):
-    """TorchTrainer that can leave out Ray's placement-group cleaner where it cannot work.
+    """TorchTrainer that lets an elastic run's grow wait for a checkpoint, and can leave out Ray's
+    placement-group cleaner where it cannot work.
+
+    `runlog` set: Ray's elastic scaling policy is replaced by `nodewatch.CheckpointBeforeGrow`
+    (through Ray 2.60's private `_initialize_and_run_controller`; tests/test_grow_hold.py fails if
+    it moves).
 
     The cleaner (a detached actor) asks Ray's state API every second whether the controller is
     alive, to remove the run's placement group after an ungraceful death. A local cluster without
@@ -443,12 +449,20 @@ class Trainer(TorchTrainer):
     moves, the warnings come back (in ray.log, see console.py), nothing breaks."""
 
     pg_cleaner = True
+    runlog = None  # an elastic run's RunLog: a grow waits for a checkpoint (nodewatch.CheckpointBeforeGrow)
 
     def _create_default_callbacks(self):
         callbacks = super()._create_default_callbacks()
         if self.pg_cleaner:
             return callbacks
         return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        policy = controller_init_kwargs["scaling_policy"]
+        if self.runlog is not None and type(policy) is ElasticScalingPolicy:
+            controller_init_kwargs["scaling_policy"] = CheckpointBeforeGrow(policy.scaling_config,
+                                                                            self.runlog)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
 def _uri(info: DatasetInfo, path: str) -> str:
@@ -533,7 +547,7 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
         if progress is not None:
             progress.start(runlog)
         elastic = cfg.scaling.min_workers < cfg.scaling.max_workers
-        watcher = NodeWatcher(runlog).start() if elastic else None
+        watcher = NodeWatcher().start() if elastic else None
         train_first = TrainFirst().start() if local and cfg.run.train_first else None
         try:
             result = trainer.fit()

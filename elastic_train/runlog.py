@@ -93,8 +93,8 @@ class RunLog:
         self.latest: dict[str, Any] | None = None
         self.latest_eval: dict[str, Any] | None = None
         self.fatal: str | None = None
-        self.checkpoint_request: str | None = None
-        self.requested_step: int | None = None
+        self.checkpoint_request: str | None = None  # the reason of a request no rank 0 took yet
+        self.tickets = {"asked": 0, "taken": 0, "done": 0}  # requests numbered: asked, taken, committed
         self.group_token: str | None = None  # in-place recovery: the group start of the attempt
         self.group_ready: set[int] = set()  # ... its workers ready for their first quorum
         self.finished_step: int | None = None  # ... and where its training ended
@@ -220,21 +220,25 @@ class RunLog:
         self.folder.write("faults.json", json.dumps(self.faults))
         return True
 
-    def request_checkpoint(self, reason: str) -> None:
-        """The driver expects a resize: workers checkpoint at their next step."""
+    def request_checkpoint(self, reason: str) -> int:
+        """A resize is coming: rank 0 checkpoints at its next step. Returns the request's ticket,
+        done once rank 0 has committed a checkpoint it took the request for."""
         self.checkpoint_request = reason
-        self.requested_step = None
+        self.tickets["asked"] += 1
+        return self.tickets["asked"]
 
     def take_checkpoint_request(self) -> str | None:
         reason, self.checkpoint_request = self.checkpoint_request, None
+        if reason is not None:
+            self.tickets["taken"] = self.tickets["asked"]
         return reason
 
     def checkpoint_done(self, step: int) -> None:
         """Rank 0 committed the requested checkpoint (of this step)."""
-        self.requested_step = step
+        self.tickets["done"] = self.tickets["taken"]
 
-    def requested_checkpoint_step(self) -> int | None:
-        return self.requested_step
+    def checkpoint_request_done(self, ticket: int) -> bool:
+        return self.tickets["done"] >= ticket
 
     def set_fatal(self, message: str) -> None:
         """A worker decided the run cannot go on (e.g. non-finite gradients after a rollback)."""

@@ -16,11 +16,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_train_ray import TINY, assert_same_training, effective_ids, metrics
+from test_train_ray import TINY, assert_same_training, effective_ids, metrics, read_events
 
 from elastic_train import load_config
 from elastic_train.api import train
-from elastic_train.nodewatch import COORDINATOR
+from elastic_train.nodewatch import COORDINATOR, refresh_reservations
 from elastic_train.raycompat import committed_checkpoint_step
 
 pytestmark = pytest.mark.chaos
@@ -254,12 +254,17 @@ def test_grows_when_a_node_joins(cluster, reference, small_dataset, tmp_path):
     assert event["world_size"] == 1
     added_at = time.time()
     cluster.add_node(num_cpus=1, resources={"slot": 1})
+    # Ray's autoscaling coordinator re-reads the node table on its own 20 s tick: when that tick
+    # comes right after the join, Ray decides to grow at once. The worst case, made certain here.
+    assert refresh_reservations()
     result = bg.join(timeout=300)
     recs = metrics(result)
     step_at_join = max(r["step"] for r in recs if r["attempt"] == 0 and r["time"] <= added_at)
     resumed_from = min(r["step"] for r in recs if r["world_size"] == 2) - 1
     print(f"grow: node joined after step {step_at_join}, 2 workers resumed from step {resumed_from}")
     assert resumed_from >= step_at_join  # the checkpoint asked for on the join: nothing lost
+    asked = [e["reason"] for e in read_events(result) if e["event"] == "checkpoint_requested"]
+    assert asked == ["growing from 1 to 2 workers"], asked  # by the grow decision itself
     s = result.summary
     assert s["status"] == "finished"
     assert s["world_sizes"][0] == 1 and 2 in s["world_sizes"], s["world_sizes"]
