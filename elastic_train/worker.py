@@ -35,6 +35,7 @@ from elastic_train.watchdog import StepWatchdog, Verdict
 
 CRASH_COMMIT_WAIT_S = 120.0  # fault hooks: the longest wait for a checkpoint's commit
 REQUEST_POLL_INTERVAL_S = 1.0  # how often rank 0 asks the RunLog whether a checkpoint is wanted
+REQUEST_COMMIT_WAIT_S = 60.0  # the longest rank 0 waits for Ray to commit a requested checkpoint
 LAST_EVENT_WAIT_S = 10.0  # the watchdog's wait for its event to be written before the process ends
 
 
@@ -224,8 +225,18 @@ class RayWorkerEnv:
         return None
 
     def checkpoint_committed(self, step: int) -> None:
-        if self.world_rank == 0:
+        """Rank 0, after saving a requested checkpoint: wait until Ray has committed it, then say
+        so. A report that has returned is only queued: Ray commits it at the controller's next
+        poll, and a grow let through before that would restart from the checkpoint before."""
+        if self.world_rank != 0:
+            return
+        fs, run_path = raycompat.worker_run_folder()
+        committed = raycompat.wait_until_committed(fs, run_path, step, REQUEST_COMMIT_WAIT_S)
+        if committed is not None and committed >= step:
             ray.get(self.runlog.checkpoint_done.remote(step))
+        else:  # the grow waiting for it goes ahead after its own wait (nodewatch.GrowHold)
+            self.log_event({"event": "checkpoint_not_committed", "step": step,
+                            "waited_s": REQUEST_COMMIT_WAIT_S})
 
     # -- logging ---------------------------------------------------------------------------------
     def begin_attempt(self) -> int:

@@ -263,8 +263,11 @@ def test_grows_when_a_node_joins(cluster, reference, small_dataset, tmp_path):
     resumed_from = min(r["step"] for r in recs if r["world_size"] == 2) - 1
     print(f"grow: node joined after step {step_at_join}, 2 workers resumed from step {resumed_from}")
     assert resumed_from >= step_at_join  # the checkpoint asked for on the join: nothing lost
-    asked = [e["reason"] for e in read_events(result) if e["event"] == "checkpoint_requested"]
-    assert asked == ["growing from 1 to 2 workers"], asked  # by the grow decision itself
+    events = read_events(result)
+    asked = [e for e in events if e["event"] == "checkpoint_requested"]
+    assert [e["reason"] for e in asked] == ["growing from 1 to 2 workers"], asked  # by the grow decision
+    saved = next(e["step"] for e in events if e["event"] == "checkpoint" and e["time"] > asked[0]["time"])
+    assert resumed_from == saved  # Ray had committed it before it grew: not the one before
     s = result.summary
     assert s["status"] == "finished"
     assert s["world_sizes"][0] == 1 and 2 in s["world_sizes"], s["world_sizes"]
