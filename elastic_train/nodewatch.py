@@ -15,7 +15,8 @@ It is the one place that decides, so it closes the race a driver-side request ha
 20 s tick (a tick right after the join grew the group before the requested checkpoint was saved).
 
 Both reach into Ray 2.60 internals (the coordinator's `_tick`, the scaling policy classes, and
-`Trainer._initialize_and_run_controller` in api.py); `tests/test_elastic.py` fails if they move.
+`Trainer._initialize_and_run_controller` in api.py); tests/test_grow_hold.py (the policy seams)
+and tests/test_elastic.py (the tick) fail if they move.
 """
 
 from __future__ import annotations
