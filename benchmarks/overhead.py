@@ -12,6 +12,7 @@ the machine's load drifts over minutes, and taking turns spreads it over all thr
 
     .venv/bin/python benchmarks/overhead.py [--steps 30] [--repeat 1]
     .venv/bin/python benchmarks/overhead.py --levers --repeat 3   # the CPU-gap levers, A/B
+    .venv/bin/python benchmarks/overhead.py --startup --repeat 5 [--against REV]  # start-up phases
 """
 
 from __future__ import annotations
@@ -179,12 +180,71 @@ def median_run(runs: list[dict]) -> dict:
             "all_tokens_per_s": [round(r["tokens_per_s"]) for r in runs]}
 
 
+STARTUP_STEPS = WARMUP + 2  # run_baseline measures a steady rate too
+
+
+def startup_phases(storage: str, code: Path) -> dict[str, float]:
+    """One elastic-train run of the default job to step STARTUP_STEPS, with the elastic_train
+    package of `code` (driver and workers import it first: PYTHONPATH and working folder): its
+    start-up phases (summary.json's `startup`, from the command to the end of the first step)."""
+    name = f"startup-{time.time_ns()}"
+    subprocess.run(
+        [str(ROOT / ".venv/bin/elastic-train"), "train", *COMMON, f"train.max_steps={STARTUP_STEPS}",
+         f"run.storage_path={storage}", f"run.name={name}"],
+        check=True, capture_output=True, text=True, cwd=code,
+        env={**os.environ, "PYTHONPATH": str(code)},
+    )
+    summary = json.loads((Path(storage) / name / "summary.json").read_text())
+    return {k: v for k, v in summary["startup"].items() if k.endswith("_s")}
+
+
+def startup(rounds: int, against: str | None) -> None:
+    """--startup: each round launches torchrun, then elastic-train (with --against REV: that
+    commit's code too, from a git worktree, taking turns); prints the median of each start-up
+    phase and the totals against torchrun's (command to the end of its first step)."""
+    base: list[float] = []
+    with tempfile.TemporaryDirectory() as storage, tempfile.TemporaryDirectory() as old:
+        codes = {"this tree": ROOT}
+        if against:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", old, against],
+                           check=True, capture_output=True)
+            codes = {against: Path(old), **codes}
+        phases: dict[str, list[dict]] = {k: [] for k in codes}
+        try:
+            for _ in range(rounds):
+                base.append(run_baseline(STARTUP_STEPS, 2, 1)["startup_s"])
+                for k, code in codes.items():
+                    phases[k].append(startup_phases(storage, code))
+        finally:
+            if against:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", old])
+    print(f"| phase (median of {rounds}) | " + " | ".join(codes) + " |")
+    print("|---|" + "---|" * len(codes))
+    for f in phases["this tree"][0]:
+        print(f"| {f[:-2]} | " + " | ".join(
+            f"{statistics.median(p[f] for p in runs):.2f}" for runs in phases.values()) + " |")
+    torchrun = statistics.median(base)
+    print(f"torchrun, command to first step: {torchrun:.2f} s (each: {'; '.join(f'{b:.2f}' for b in base)})")
+    for k, runs in phases.items():
+        totals = [p["total_s"] for p in runs]
+        each = "; ".join(f"{t:.2f}" for t in totals)
+        print(f"{k}: total {statistics.median(totals):.2f} s (each: {each}), "
+              f"{statistics.median(totals) / torchrun:.2f}x torchrun")
+    print(json.dumps({"benchmark": "overhead_startup", "rounds": rounds, "phases": phases,
+                      "torchrun_startup_s": base}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--levers", action="store_true", help="the CPU-gap levers' A/B instead (rounds: --repeat)")
+    p.add_argument("--startup", action="store_true",
+                   help="start-up phases against torchrun instead (rounds: --repeat)")
+    p.add_argument("--against", help="with --startup: also this git revision's code, taking turns")
     args = p.parse_args()
+    if args.startup:
+        return startup(args.repeat, args.against)
     if args.levers:
         return levers(args.steps, args.repeat)
     runs: dict[str, list[dict]] = {"a": [], "b": [], "e": []}

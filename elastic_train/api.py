@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,8 +46,8 @@ from elastic_train.config import Config, ConfigError, check_run_name, num_partit
 from elastic_train.console import RAY_LOG, ray_console, ray_train_logging, route_forwarded_lines
 from elastic_train.cpushare import TrainFirst
 from elastic_train.losses import LossFn
-from elastic_train.model import BYTE_VOCAB, ModelFn, build_model, input_embedding_rows
-from elastic_train.nodewatch import CheckpointBeforeGrow, ElasticScalingPolicy, NodeWatcher
+from elastic_train.model import BYTE_VOCAB, ModelFn, build_meta_model, input_embedding_rows
+from elastic_train.nodewatch import CheckpointBeforeGrow, ElasticScalingPolicy, NodeWatcher, start_coordinator
 from elastic_train.prepare import DatasetInfo, default_corpus_dir, inspect_dataset
 from elastic_train.rowgroups import hold_out
 from elastic_train.runlog import RunLog, split_uri
@@ -142,7 +143,7 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
         check_blocks(tables.train, num_partitions(cfg), info.path)
     except ValueError as exc:
         raise ConfigError(f"data.path: {exc}") from None
-    model = build_meta_model(cfg, model_fn)
+    model = meta_model(cfg, model_fn)
     check_model_fits_data(cfg, info, model)
     if tables.eval_info is not None:
         check_model_fits_data(cfg, tables.eval_info, model)
@@ -152,11 +153,10 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     return info
 
 
-def build_meta_model(cfg: Config, model_fn: ModelFn | None = None) -> torch.nn.Module:
+def meta_model(cfg: Config, model_fn: ModelFn | None = None) -> torch.nn.Module:
     """The model on the meta device (no memory), or a ConfigError naming what failed."""
     try:
-        with torch.device("meta"):
-            return build_model(cfg.model, cfg.data.max_seq_len, model_fn)
+        return build_meta_model(cfg.model, cfg.data.max_seq_len, model_fn)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -287,7 +287,11 @@ def init_ray(cfg: Config) -> bool:
 
     A local cluster's every process gets RAY_ADDRESS set to it (its GCS port chosen here), so that
     Ray's own helpers that look a cluster up (Train's placement-group cleaner, the state API)
-    find this one even when other Ray clusters run on the machine."""
+    find this one even when other Ray clusters run on the machine, and the driver's import path
+    (`driver_pythonpath`). Both through the environment the cluster's processes inherit, not a
+    job runtime_env: Ray prestarts worker processes without the job's runtime_env, and an actor
+    of a job that has one never uses them (our RunLog, Ray Train's controller and helpers would
+    each start a process of their own while two idle ones wait)."""
     # The Train controller inherits these from the driver's environment.
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.scaling.health_check_interval_s)
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(
@@ -311,23 +315,33 @@ def init_ray(cfg: Config) -> bool:
     num_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(workers_cpus) + 2)
     for attempt in range(2):  # the chosen port may be taken before the GCS binds it
         port = _free_port()
-        saved = os.environ.get("RAY_GCS_SERVER_PORT")
-        os.environ["RAY_GCS_SERVER_PORT"] = str(port)
+        inherited = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"127.0.0.1:{port}",
+                     "PYTHONPATH": driver_pythonpath()}
         try:
-            env_vars = {"PYTHONPATH": driver_pythonpath(), "RAY_ADDRESS": f"127.0.0.1:{port}"}
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=cfg.run.dashboard,
-                     dashboard_host="127.0.0.1", runtime_env={"env_vars": env_vars})
+            with _environ(inherited):
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=cfg.run.dashboard,
+                         dashboard_host="127.0.0.1")
             return True
         except (ConnectionError, RuntimeError):
             if attempt:
                 raise
             ray.shutdown()
-        finally:
-            if saved is None:
-                os.environ.pop("RAY_GCS_SERVER_PORT", None)
-            else:
-                os.environ["RAY_GCS_SERVER_PORT"] = saved
     return True
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """os.environ with `values` set, as it was again afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _free_port() -> int:
@@ -434,8 +448,9 @@ def torch_config(cfg: Config) -> TorchConfig:
 
 
 class Trainer(TorchTrainer):
-    """TorchTrainer that lets an elastic run's grow wait for a checkpoint, and can leave out Ray's
-    placement-group cleaner where it cannot work.
+    """TorchTrainer that lets an elastic run's grow wait for a checkpoint, leaves out what a run
+    without Ray Train datasets does not use, and can leave out Ray's placement-group cleaner where
+    it cannot work.
 
     `runlog` set: Ray's elastic scaling policy is replaced by `nodewatch.CheckpointBeforeGrow`
     (through Ray 2.60's private `_initialize_and_run_controller`; tests/test_grow_hold.py fails if
@@ -445,17 +460,24 @@ class Trainer(TorchTrainer):
     alive, to remove the run's placement group after an ungraceful death. A local cluster without
     the dashboard (`run.dashboard: false`) has no state API: the cleaner would only warn every
     second ("Failed to query Ray Train Controller actor state"), and the run's `ray.shutdown`
-    removes the placement group anyway. Ray 2.60's private `_create_default_callbacks`; if it
-    moves, the warnings come back (in ray.log, see console.py), nothing breaks."""
+    removes the placement group anyway.
+
+    Ray Train's datasets callback starts a DatasetManager actor for every worker group, datasets
+    or none: a process whose start (~1.2 CPU-s) shares the cores with the workers' own on the path
+    to every attempt's first step. The workers read their shards themselves (blocks.py), so a
+    trainer without datasets (ours) leaves it out.
+
+    Both through Ray 2.60's private `_create_default_callbacks`; if it moves, the warnings and the
+    actor come back (tests/test_config.py names the callbacks it expects), nothing breaks."""
 
     pg_cleaner = True
     runlog = None  # an elastic run's RunLog: a grow waits for a checkpoint (nodewatch.CheckpointBeforeGrow)
 
     def _create_default_callbacks(self):
-        callbacks = super()._create_default_callbacks()
-        if self.pg_cleaner:
-            return callbacks
-        return [c for c in callbacks if type(c).__name__ != "PlacementGroupCleanerCallback"]
+        unused = set() if self.datasets else {"DatasetsCallback"}
+        if not self.pg_cleaner:
+            unused.add("PlacementGroupCleanerCallback")
+        return [c for c in super()._create_default_callbacks() if type(c).__name__ not in unused]
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         policy = controller_init_kwargs["scaling_policy"]
@@ -532,6 +554,7 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
     """`train` on a running Ray (`local`: a cluster started for this run): the RunLog actor, the
     trainer, fit, summary.json."""
     start = startup["ray_ready"] = time.time()
+    start_coordinator()
     runlog = start_runlog(cfg)
     try:
         folder = ray.get(runlog.local_folder.remote())  # a remote run's staging copy, uploaded by flush

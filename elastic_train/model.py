@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from elastic_train.config import ModelConfig
@@ -178,6 +179,37 @@ def build_model(model_cfg: ModelConfig, max_seq_len: int, model_fn: ModelFn | No
     if model_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model
+
+
+# In-place writes of values (what initialisation does): a meta tensor holds no values, so on one they
+# change nothing; its shape stays. torch.nn.init's functions and the tensor methods alike.
+_VALUE_WRITES = frozenset({
+    "normal_", "uniform_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+    "sparse_", "fill_", "zero_", "copy_", "random_", "bernoulli_", "exponential_", "log_normal_",
+    "geometric_", "cauchy_", "erfinv_", "clamp_", "clamp_min_", "clamp_max_", "add_", "sub_",
+    "mul_", "div_",
+})
+
+
+class _SkipValueWritesOnMeta(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _VALUE_WRITES:
+            target = args[0] if args else kwargs.get("tensor")  # a method's self, init's `tensor`
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
+def build_meta_model(model_cfg: ModelConfig, max_seq_len: int,
+                     model_fn: ModelFn | None = None) -> nn.Module:
+    """`build_model` on the meta device: parameters with their shapes and no memory, for the
+    driver's checks. Initialisation is skipped: it would write no values, and some of its kernels
+    on meta tensors run through torch._refs, whose first use imports torch._dynamo (1.2 s of the
+    command's start-up)."""
+    with torch.device("meta"), _SkipValueWritesOnMeta():
+        return build_model(model_cfg, max_seq_len, model_fn)
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -14,9 +14,13 @@ change, holds a grow decision until rank 0 has committed a checkpoint asked for 
 It is the one place that decides, so it closes the race a driver-side request had with Ray's own
 20 s tick (a tick right after the join grew the group before the requested checkpoint was saved).
 
-Both reach into Ray 2.60 internals (the coordinator's `_tick`, the scaling policy classes, and
-`Trainer._initialize_and_run_controller` in api.py); tests/test_grow_hold.py (the policy seams)
-and tests/test_elastic.py (the tick) fail if they move.
+`start_coordinator` starts that coordinator while the driver sets the run up, not after the
+controller has started: it is on the path to the first step.
+
+All reach into Ray 2.60 internals (the coordinator's `_tick` and its factory, the scaling policy
+classes, and `Trainer._initialize_and_run_controller` in api.py); tests/test_grow_hold.py (the
+policy seams), tests/test_elastic.py (the tick) and tests/test_train_ray.py (the factory) fail if
+they move.
 """
 
 from __future__ import annotations
@@ -45,6 +49,25 @@ RUNLOG_CALL_TIMEOUT_S = 10.0
 
 def alive_nodes() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def start_coordinator() -> bool:
+    """Start Ray Train's autoscaling coordinator now, from the driver, while the run is set up.
+    Ray Train creates it (a detached actor, one per cluster: created once, then found) when its
+    controller starts and waits for it before it starts any worker: ~1 s of every run's start-up on
+    the path to the first step. Started here, its process comes up beside the driver's own work.
+    Ray Data's function, which Ray Train's client calls (tests/test_train_ray.py checks that both
+    find the one actor). False if it could not."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        get_or_create_autoscaling_coordinator()
+        return True
+    except Exception as exc:  # a Ray without it: Ray Train starts its own, as before
+        logger.info("could not start Ray's autoscaling coordinator early: %s", exc)
+        return False
 
 
 def refresh_reservations() -> bool:

@@ -182,3 +182,25 @@ def test_collective_timeout_reaches_the_process_group(small_dataset, tmp_path):
     trainer = build_trainer(cfg, check_inputs(cfg), runlog=None)
     torch_config = trainer.backend_config  # Ray 2.60: the TorchConfig given to TorchTrainer
     assert (torch_config.backend, torch_config.timeout_s) == ("gloo", 42)
+
+
+def test_the_trainer_leaves_out_what_a_run_does_not_use(small_dataset, tmp_path):
+    """No Ray Train datasets (the workers read their own shards): no DatasetManager actor per
+    worker group; without the state API (a local run without dashboard): no placement-group
+    cleaner. Ray 2.60's callback names: if Ray renames them, this fails."""
+    from ray.train.torch import TorchTrainer
+
+    from elastic_train.api import build_trainer, check_inputs
+
+    cfg = load_config(None, [f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
+                             "data.max_seq_len=128", "data.micro_batch_tokens=1024",
+                             "data.global_batch_tokens=4096"])
+    info = check_inputs(cfg)
+    trainers = {pg: build_trainer(cfg, info, runlog=None, pg_cleaner=pg) for pg in (True, False)}
+    names = {pg: {type(c).__name__ for c in t._create_default_callbacks()} for pg, t in trainers.items()}
+    rays = {type(c).__name__ for c in TorchTrainer._create_default_callbacks(trainers[True])}
+    assert {"DatasetsCallback", "PlacementGroupCleanerCallback"} <= rays  # the names left out exist
+    assert "BackendSetupCallback" in names[True] and "DatasetsCallback" not in names[True]
+    assert "PlacementGroupCleanerCallback" in names[True]
+    assert "PlacementGroupCleanerCallback" not in names[False]
+    assert names[True] - names[False] == {"PlacementGroupCleanerCallback"}

@@ -7,7 +7,13 @@ import torch
 
 from elastic_train.config import ModelConfig
 from elastic_train.losses import _logits_loss_sum, causal_lm_loss, chunked_head_applies, forward, make_batch
-from elastic_train.model import build_model, count_parameters, input_embedding_rows, model_flops_per_token
+from elastic_train.model import (
+    build_meta_model,
+    build_model,
+    count_parameters,
+    input_embedding_rows,
+    model_flops_per_token,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -78,8 +84,7 @@ def test_weights_in_the_folder_are_loaded_and_the_same_seed_builds_the_same_mode
     loaded = build_model(ModelConfig(name="hf", path=str(tmp_path / "trained")), 64)
     for name, t in a.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], t), name
-    with torch.device("meta"):  # the driver's check: shapes only, tied again
-        meta = build_model(ModelConfig(name="hf", path=str(tmp_path / "trained")), 64)
+    meta = build_meta_model(ModelConfig(name="hf", path=str(tmp_path / "trained")), 64)  # the driver's
     assert next(meta.parameters()).is_meta and input_embedding_rows(meta) == 300
     assert meta.get_output_embeddings().weight is meta.get_input_embeddings().weight
 
@@ -103,3 +108,32 @@ def test_flops_for_any_model_from_the_parameter_count(llama_folder):
     model = build_model(ModelConfig(name="hf", path=llama_folder), 64)
     n = count_parameters(model)
     assert model_flops_per_token(ModelConfig(name="hf"), 64, n) == 6.0 * n
+
+
+META_CHECK = """
+import sys, torch
+from elastic_train.config import ModelConfig
+from elastic_train.model import build_meta_model, build_model
+cfg = ModelConfig(**{kwargs!r})
+meta = build_meta_model(cfg, 64)
+assert {own} is False or "torch._dynamo" not in sys.modules, "the meta build imported torch._dynamo"
+real = build_model(cfg, 64)
+shapes = lambda m: [(n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()]
+assert all(p.is_meta for p in meta.parameters())
+assert shapes(meta) == shapes(real), (shapes(meta), shapes(real))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hf"])
+def test_the_drivers_meta_model_has_the_shapes_and_skips_initialisation(kind, llama_folder):
+    """The driver's check builds the model on the meta device: the same parameters as a real build,
+    and for our own model without the first-use import of torch._dynamo that meta initialisation
+    kernels cause (1.2 s of every command's start-up; transformers imports it anyway)."""
+    import subprocess
+    import sys
+
+    kwargs = {"name": "hf", "path": str(llama_folder)} if kind == "hf" else {"name": "gpt"}
+    out = subprocess.run([sys.executable, "-c", META_CHECK.format(kwargs=kwargs, own=kind == "gpt")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -21,6 +21,22 @@ from elastic_train.report import make_report
 pytestmark = pytest.mark.ray
 
 
+def test_the_driver_starts_the_coordinator_ray_train_then_finds(ray_cluster):
+    """`train` starts Ray Train's autoscaling coordinator before the controller asks for it (it is on
+    the path to the first step): the one actor Ray Train's own client then finds. The module's
+    first test, so on a cluster where no run has created it yet."""
+    import ray
+    from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
+        TrainAutoscalingCoordinatorClient,
+    )
+
+    from elastic_train.nodewatch import COORDINATOR, start_coordinator
+
+    assert start_coordinator()
+    ours = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+    theirs = TrainAutoscalingCoordinatorClient("test")._autoscaling_coordinator
+    assert theirs._actor_id == ours._actor_id
+    assert not ray.get(theirs.get_reserved_resources.remote("test"), timeout=60)  # it answers
 
 
 def run(tmp_path, data, name, *extra, storage=None):
