@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 import time
 from collections import Counter
@@ -154,7 +155,9 @@ def reference(cluster, small_dataset, tmp_path_factory):
 
 def test_worker_memory_stays_bounded_across_epochs(reference):
     """The fixed-size run's worker (rank 0): its own memory (resident, less the pages it shares:
-    Ray's object store, mapped files) at the end of the last epoch is within 15% of the first's.
+    Ray's object store, mapped files) at the end of the last epochs (the median of the last three:
+    one epoch's end can be caught mid-allocation, +13 MiB once under load, gone by the next) is
+    within 15% of the first epoch's.
 
     The allocators warm up for ~14 epochs (here ~335 -> ~375 MiB), as long as this run is, so
     whether it levels off is tested where a longer run is cheap: in one process, 40 epochs
@@ -168,7 +171,8 @@ def test_worker_memory_stays_bounded_across_epochs(reference):
     curve = [round(own[e] / 2**20) for e in sorted(own)]
     print(f"worker memory at the end of each epoch (MiB), its own: {curve}; "
           f"resident: {[round(whole[e] / 2**20) for e in sorted(whole)]}")
-    assert own[max(own)] < 1.15 * own[0], curve
+    last = sorted(own)[-3:]
+    assert statistics.median(own[e] for e in last) < 1.15 * own[0], curve
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
