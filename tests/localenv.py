@@ -75,10 +75,11 @@ class LocalEnv:
 
 
 def train_locally(cfg: Config, model_fn=None, loss_fn=None,
-                  extra_columns: tuple[str, ...] = (), folder: str | None = None) -> LocalEnv:
+                  extra_columns: tuple[str, ...] = (), folder: str | None = None,
+                  env_cls: type[LocalEnv] = LocalEnv) -> LocalEnv:
     """Train `cfg` (a resolved config, e.g. a run's config.yaml) in this process, uninterrupted."""
     tables = data_tables(cfg, inspect_dataset(cfg.data.path))
-    env = LocalEnv(tables.train, extra_columns, tables.eval, folder)
+    env = env_cls(tables.train, extra_columns, tables.eval, folder)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
