@@ -11,13 +11,14 @@ With --repeat R, a, b and e run R times in turn (a b e a b e ...) and each figur
 the machine's load drifts over minutes, and taking turns spreads it over all three.
 
     .venv/bin/python benchmarks/overhead.py [--steps 30] [--repeat 1]
-    .venv/bin/python benchmarks/overhead.py --levers --repeat 3   # the CPU-gap levers, A/B
+    .venv/bin/python benchmarks/overhead.py --levers --repeat 3 [--lever NAME] [--against REV]  # levers
     .venv/bin/python benchmarks/overhead.py --startup --repeat 5 [--against REV]  # start-up phases
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -41,14 +43,27 @@ def steady(times: list[float], tokens: list[int]) -> float:
     return sum(tokens[WARMUP + 1:]) / (times[-1] - times[WARMUP])
 
 
+def process_name(cmdline: list[str]) -> str:
+    """A process by what it is: its Ray title without the method (`ray::TrainController`), else
+    its script's or program's file name (`log_monitor.py`, `raylet`)."""
+    args = " ".join(cmdline).split()  # a process title is one argument with spaces
+    if not args:
+        return "?"
+    if args[0].startswith("ray::"):
+        return args[0].split(".")[0]
+    script = next((a for a in args[1:3] if a.endswith(".py")), None)
+    return os.path.basename(script or args[0])
+
+
 class CpuSampler:
     """Every 0.25 s: the CPU seconds used so far by the training processes (cmdline contains
-    `match`, not `exclude`) and by the whole machine (/proc/stat), to split a steady window's
-    CPU between training and everything else."""
+    `match`, not `exclude`), by every other process (named by `process_name`) and by the whole
+    machine (/proc/stat), to split a steady window's CPU between training and everything else."""
 
     def __init__(self, match: str, exclude: str = "\0") -> None:
         self.match, self.exclude, self.samples = match, exclude, []
         self._seen: dict[int, psutil.Process] = {}
+        self._others: dict[int, tuple[str, list[tuple[float, float]]]] = {}  # pid: name, (time, cpu)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -63,10 +78,16 @@ class CpuSampler:
     def _run(self) -> None:
         tick = os.sysconf("SC_CLK_TCK")
         while not self._stop.wait(0.25):
-            for proc in psutil.process_iter(["cmdline"]):
+            now = time.time()
+            for proc in psutil.process_iter(["cmdline", "cpu_times"]):
                 cmd = " ".join(proc.info["cmdline"] or [])
                 if self.match in cmd and self.exclude not in cmd:
                     self._seen.setdefault(proc.pid, proc)
+                elif proc.info["cpu_times"] is not None:
+                    # the latest name: a Ray worker takes its title after it starts
+                    _, series = self._others.get(proc.pid, ("", []))
+                    series.append((now, proc.info["cpu_times"].user + proc.info["cpu_times"].system))
+                    self._others[proc.pid] = (process_name(proc.info["cmdline"] or []), series)
             train = 0.0
             for proc in list(self._seen.values()):
                 try:
@@ -77,22 +98,32 @@ class CpuSampler:
             with open("/proc/stat") as f:
                 ticks = [int(x) for x in f.readline().split()[1:]]
             busy = (sum(ticks) - ticks[3] - ticks[4]) / tick
-            self.samples.append((time.time(), train, busy, sum(ticks) / tick))
+            self.samples.append((now, train, busy, sum(ticks) / tick))
 
     def window(self, times: list[float]) -> dict:
         """CPU split over the steady steps: training CPU-s per step, training's share of the
-        machine, everything else's share."""
+        machine, everything else's share, and that by process name (shares of 0.1% and up)."""
         inside = [s for s in self.samples if times[WARMUP] <= s[0] <= times[-1]]
         if len(inside) < 2:
             return {}
         (t0, train0, busy0, total0), (t1, train1, busy1, total1) = inside[0], inside[-1]
         steps = sum(1 for t in times if t0 < t <= t1)
+        others: dict[str, float] = {}
+        for name, series in self._others.values():
+            cpu = [c for t, c in series if t0 <= t <= t1]
+            if len(cpu) >= 2:
+                others[name] = others.get(name, 0.0) + (cpu[-1] - cpu[0]) / (total1 - total0)
         return {"train_cpu_s_per_step": (train1 - train0) / max(steps, 1),
                 "train_share_of_machine": (train1 - train0) / (total1 - total0),
-                "other_share_of_machine": (busy1 - busy0 - (train1 - train0)) / (total1 - total0)}
+                "other_share_of_machine": (busy1 - busy0 - (train1 - train0)) / (total1 - total0),
+                "others": {k: round(v, 4) for k, v in sorted(others.items(), key=lambda kv: -kv[1])
+                           if v >= 0.001}}
 
 
-def run_elastic(steps: int, workers: int, storage: str, reduce: str, *extra: str) -> dict:
+def run_elastic(steps: int, workers: int, storage: str, reduce: str, *extra: str,
+                code: Path = ROOT) -> dict:
+    """One elastic-train run with the elastic_train package of `code` (a git worktree for
+    --against: driver and workers import it first, by PYTHONPATH and working folder)."""
     name = f"overhead-{workers}w-{reduce}-{time.time_ns()}"
     start = time.time()
     with CpuSampler("RayTrainWorker") as cpu:
@@ -100,7 +131,8 @@ def run_elastic(steps: int, workers: int, storage: str, reduce: str, *extra: str
             [str(ROOT / ".venv/bin/elastic-train"), "train", *COMMON, f"train.max_steps={steps}",
              f"run.storage_path={storage}", f"run.name={name}", f"scaling.min_workers={workers}",
              f"scaling.max_workers={workers}", f"train.grad_reduce={reduce}", *extra],
-            check=True, capture_output=True, text=True,
+            check=True, capture_output=True, text=True, cwd=code,
+            env={**os.environ, "PYTHONPATH": str(code)},
         )
     recs = [json.loads(x) for x in (Path(storage) / name / "metrics.jsonl").read_text().splitlines()]
     times, tokens = [r["time"] for r in recs], [r["real_tokens"] for r in recs]
@@ -120,27 +152,30 @@ LEVERS = {
 }
 
 
-def levers(steps: int, rounds: int) -> None:
+def levers(steps: int, rounds: int, chosen: list[str] | None, against: str | None) -> None:
     """--levers: each round runs torchrun then every lever setting once (taking turns, so that a
     drift of the machine's load spreads over all); a setting's ratio is the median over rounds of
-    its tokens/s over that round's torchrun."""
-    ratios: dict[str, list[float]] = {k: [] for k in LEVERS}
-    runs: dict[str, list[dict]] = {k: [] for k in LEVERS}
-    base: list[dict] = []
-    with tempfile.TemporaryDirectory() as storage:
+    its tokens/s over that round's torchrun. `chosen`: only these settings; `against`: each of
+    them with that commit's code too."""
+    settings = {k: v for k, v in LEVERS.items() if not chosen or k in chosen}
+    with tempfile.TemporaryDirectory() as storage, worktree(against) as old:
+        codes = {"": ROOT} if old is None else {"": ROOT, f" @{against}": old}
+        runs: dict[str, list[dict]] = {k + c: [] for k in settings for c in codes}
+        ratios: dict[str, list[float]] = {k: [] for k in runs}
+        base: list[dict] = []
         for _ in range(rounds):
             b = run_baseline(steps, 2, 1)
             base.append(b)
-            for k, overrides in LEVERS.items():
-                r = run_elastic(steps, 2, storage, "exact", *overrides)
-                runs[k].append(r)
-                ratios[k].append(r["tokens_per_s"] / b["tokens_per_s"])
+            for k, overrides in settings.items():
+                for c, code in codes.items():
+                    r = run_elastic(steps, 2, storage, "exact", *overrides, code=code)
+                    runs[k + c].append(r)
+                    ratios[k + c].append(r["tokens_per_s"] / b["tokens_per_s"])
     print(f"| setting | ratio to torchrun (median of {rounds} rounds; each) | tokens/s | "
           "step ms | host overhead ms/step | training's share of the machine | the rest's share | "
           "start-up s |")
     print("|---|---|---|---|---|---|---|---|")
-    for k in LEVERS:
-        rs = runs[k]
+    for k, rs in runs.items():
         med = {f: statistics.median(r[f] for r in rs if f in r) for f in
                ("tokens_per_s", "step_ms", "host_ms", "train_share_of_machine", "other_share_of_machine",
                 "startup_s")}
@@ -152,8 +187,33 @@ def levers(steps: int, rounds: int) -> None:
           f"{statistics.median(b['train_share_of_machine'] for b in base):.1%} | "
           f"{statistics.median(b['other_share_of_machine'] for b in base):.1%} | "
           f"{statistics.median(b['startup_s'] for b in base):.1f} |")
+    for k, rs in {**runs, "torchrun": base}.items():
+        print(f"the rest, by process ({k}; median of rounds): " + ", ".join(
+            f"{name} {share:.2%}" for name, share in median_others(rs)))
     print(json.dumps({"benchmark": "overhead_levers", "rounds": rounds, "ratios": ratios,
                       "runs": runs, "torchrun": base}))
+
+
+def median_others(runs: list[dict]) -> list[tuple[str, float]]:
+    """Each process name's median share of the machine over runs (0 in a run without it)."""
+    names = {n for r in runs for n in r.get("others", {})}
+    shares = {n: statistics.median(r.get("others", {}).get(n, 0.0) for r in runs) for n in names}
+    return sorted(((n, v) for n, v in shares.items() if v >= 0.001), key=lambda nv: -nv[1])
+
+
+@contextlib.contextmanager
+def worktree(rev: str | None) -> Iterator[Path | None]:
+    """That commit's tree, checked out in a temporary git worktree (None: no commit asked)."""
+    if rev is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", folder, rev],
+                       check=True, capture_output=True)
+        try:
+            yield Path(folder)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", folder])
 
 
 def run_baseline(steps: int, nproc: int, threads: int) -> dict:
@@ -203,21 +263,13 @@ def startup(rounds: int, against: str | None) -> None:
     commit's code too, from a git worktree, taking turns); prints the median of each start-up
     phase and the totals against torchrun's (command to the end of its first step)."""
     base: list[float] = []
-    with tempfile.TemporaryDirectory() as storage, tempfile.TemporaryDirectory() as old:
-        codes = {"this tree": ROOT}
-        if against:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", old, against],
-                           check=True, capture_output=True)
-            codes = {against: Path(old), **codes}
+    with tempfile.TemporaryDirectory() as storage, worktree(against) as old:
+        codes = {"this tree": ROOT} if old is None else {against: old, "this tree": ROOT}
         phases: dict[str, list[dict]] = {k: [] for k in codes}
-        try:
-            for _ in range(rounds):
-                base.append(run_baseline(STARTUP_STEPS, 2, 1)["startup_s"])
-                for k, code in codes.items():
-                    phases[k].append(startup_phases(storage, code))
-        finally:
-            if against:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", old])
+        for _ in range(rounds):
+            base.append(run_baseline(STARTUP_STEPS, 2, 1)["startup_s"])
+            for k, code in codes.items():
+                phases[k].append(startup_phases(storage, code))
     print(f"| phase (median of {rounds}) | " + " | ".join(codes) + " |")
     print("|---|" + "---|" * len(codes))
     for f in phases["this tree"][0]:
@@ -241,12 +293,15 @@ def main() -> None:
     p.add_argument("--levers", action="store_true", help="the CPU-gap levers' A/B instead (rounds: --repeat)")
     p.add_argument("--startup", action="store_true",
                    help="start-up phases against torchrun instead (rounds: --repeat)")
-    p.add_argument("--against", help="with --startup: also this git revision's code, taking turns")
+    p.add_argument("--lever", action="append", choices=list(LEVERS),
+                   help="with --levers: only this setting (repeatable)")
+    p.add_argument("--against", help="with --startup or --levers: also this git revision's code, "
+                   "taking turns")
     args = p.parse_args()
     if args.startup:
         return startup(args.repeat, args.against)
     if args.levers:
-        return levers(args.steps, args.repeat)
+        return levers(args.steps, args.repeat, args.lever, args.against)
     runs: dict[str, list[dict]] = {"a": [], "b": [], "e": []}
     with tempfile.TemporaryDirectory() as storage:
         for _ in range(args.repeat):

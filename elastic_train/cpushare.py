@@ -8,15 +8,19 @@ helpers tie with training. Raising every worker's priority (`RAY_worker_niceness
 worse here: the helpers gained as much as training did (BENCHMARKS.md).
 
 `TrainFirst` is a driver thread for a cluster this process started (`run.address` unset): every
-`interval_s` it sets Ray's daemons (its own programs: GCS, raylet, dashboard, monitors) and Ray
-Train's helper actors (and ours, the RunLog) to `HELPER_NICE`, and lifts training workers to nice 0
-where the user may (root, CAP_SYS_NICE; otherwise they stay at Ray's 15, still ahead of the
-helpers). Everything else keeps its niceness: idle pool workers (which may become training
-workers), Ray Data's tasks (they feed training with `data.reader=ray_data`), a user's own
-processes. Processes are told apart by their command lines (Ray's process titles, such as
-`ray::RayTrainWorker.run`, and the paths of Ray's programs); a Ray that renames them makes this a
-no-op, never a failure. Never on a cluster the run joined: its other jobs' processes are not ours
-to reprioritise.
+`interval_s` it sets Ray's daemons (its own programs: GCS, dashboard, monitors) and Ray Train's
+helper actors (and ours, the RunLog) to `HELPER_NICE`, and lifts training workers to nice 0 where
+the user may (root, CAP_SYS_NICE; otherwise they stay at Ray's 15, still ahead of the helpers).
+Linux keeps a nice value per thread, and `setpriority` on a process id changes only its main
+thread: every thread is set, the ones a process started before the sweep too (Ray's daemons run
+tens of them; a training worker's training and gloo threads start beside its main thread).
+Everything else keeps its niceness: the raylet (the parent of every worker process, which inherit
+the niceness of the thread that starts them: at 19 it would start training workers at 19),
+idle pool workers (which may become training workers), Ray Data's tasks (they feed training with
+`data.reader=ray_data`), a user's own processes. Processes are told apart by their command lines
+(Ray's process titles, such as `ray::RayTrainWorker.run`, and the paths of Ray's programs); a Ray
+that renames them makes this a no-op, never a failure. Never on a cluster the run joined: its
+other jobs' processes are not ours to reprioritise.
 """
 
 from __future__ import annotations
@@ -39,15 +43,33 @@ HELPER_TITLES = tuple(f"ray::{name}" for name in (
     "TrainStateActor", "DatasetManager", "_AutoscalingCoordinatorActor", "DashboardAgent",
     "RuntimeEnvAgent", "RunLog"))
 RAY_DIR = os.path.dirname(ray.__file__)  # Ray's daemons run programs from its package
+RAYLET = os.path.join(RAY_DIR, "core", "src", "ray", "raylet", "raylet")
 
 
 def is_helper(cmdline: list[str]) -> bool:
-    """Ray's daemons and helper actors: not training, not data, not idle, not the user's."""
-    if not cmdline:
+    """Ray's daemons and helper actors: not training, not data, not idle, not the user's, not the
+    raylet (whose niceness the worker processes it starts inherit)."""
+    args = " ".join(cmdline).split()[:3]  # a process title is one argument with spaces
+    if not args or args[0] == RAYLET:
         return False
-    if cmdline[0].startswith(HELPER_TITLES):
+    if args[0].startswith(HELPER_TITLES):
         return True
-    return any(arg.startswith(RAY_DIR) for arg in cmdline[:2])  # gcs_server, raylet, python x.py
+    # gcs_server; python [-u] .../log_monitor.py, .../autoscaler/_private/monitor.py, dashboard.py
+    return any(arg.startswith(RAY_DIR) for arg in args)
+
+
+def set_nice(proc: psutil.Process, nice: int) -> bool:
+    """Every thread of `proc` at `nice`; True if one changed. PermissionError where lowering a
+    niceness is not permitted."""
+    changed = False
+    for thread in proc.threads():
+        try:
+            if os.getpriority(os.PRIO_PROCESS, thread.id) != nice:
+                os.setpriority(os.PRIO_PROCESS, thread.id, nice)
+                changed = True
+        except ProcessLookupError:
+            pass  # a thread that ended between the listing and the call
+    return changed
 
 
 class TrainFirst:
@@ -82,22 +104,22 @@ class TrainFirst:
         except psutil.Error:
             return changed
         for proc in procs:
-            cmdline: list[str] = []
             try:
                 cmdline = proc.cmdline()
-                nice = proc.nice()
                 if cmdline and cmdline[0].startswith(f"ray::{TRAINING_TITLE}"):
-                    if self.can_raise and nice > TRAINING_NICE:
-                        proc.nice(TRAINING_NICE)
+                    if self.can_raise and self._lift(proc):
                         changed["training"] += 1
-                elif is_helper(cmdline) and nice < HELPER_NICE:
-                    proc.nice(HELPER_NICE)
+                elif is_helper(cmdline) and set_nice(proc, HELPER_NICE):
                     changed["helpers"] += 1
-            except psutil.AccessDenied:
-                if cmdline and TRAINING_TITLE in cmdline[0]:
-                    self.can_raise = False  # not permitted here: training stays at Ray's niceness
-            except psutil.Error:
+            except (psutil.Error, ProcessLookupError):
                 pass  # a process that ended between the listing and the call
         for kind, n in changed.items():
             self.changed[kind] += n
         return changed
+
+    def _lift(self, proc: psutil.Process) -> bool:
+        try:
+            return set_nice(proc, TRAINING_NICE)
+        except PermissionError:
+            self.can_raise = False  # not permitted here: training stays at Ray's niceness
+            return False
