@@ -62,10 +62,10 @@ def set_nice(proc: psutil.Process, nice: int) -> bool:
     """Every thread of `proc` at `nice`; True if one changed. PermissionError where lowering a
     niceness is not permitted."""
     changed = False
-    for thread in proc.threads():
+    for tid in map(int, os.listdir(f"/proc/{proc.pid}/task")):  # psutil's threads() reads each stat
         try:
-            if os.getpriority(os.PRIO_PROCESS, thread.id) != nice:
-                os.setpriority(os.PRIO_PROCESS, thread.id, nice)
+            if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
                 changed = True
         except ProcessLookupError:
             pass  # a thread that ended between the listing and the call
@@ -111,7 +111,7 @@ class TrainFirst:
                         changed["training"] += 1
                 elif is_helper(cmdline) and set_nice(proc, HELPER_NICE):
                     changed["helpers"] += 1
-            except (psutil.Error, ProcessLookupError):
+            except (psutil.Error, ProcessLookupError, FileNotFoundError):
                 pass  # a process that ended between the listing and the call
         for kind, n in changed.items():
             self.changed[kind] += n
