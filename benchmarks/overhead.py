@@ -13,6 +13,7 @@ the machine's load drifts over minutes, and taking turns spreads it over all thr
     .venv/bin/python benchmarks/overhead.py [--steps 30] [--repeat 1]
     .venv/bin/python benchmarks/overhead.py --levers --repeat 3 [--lever NAME] [--against REV]  # levers
     .venv/bin/python benchmarks/overhead.py --startup --repeat 5 [--against REV]  # start-up phases
+    .venv/bin/python benchmarks/overhead.py --idle-ray --repeat 3  # Ray's presence alone, beside torchrun
 """
 
 from __future__ import annotations
@@ -216,6 +217,53 @@ def worktree(rev: str | None) -> Iterator[Path | None]:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", folder])
 
 
+# A local Ray cluster as a run has it (no dashboard), with five idle actors in the places of Ray
+# Train's controller, synchronization actor, preemption watcher, autoscaling coordinator and our RunLog.
+IDLE_RAY = """
+import sys, ray
+ray.init(address="local", num_cpus=4, include_dashboard=False)
+@ray.remote(num_cpus=0)
+class Idle:
+    def ping(self):
+        return 1
+actors = [Idle.remote() for _ in range(5)]
+ray.get([a.ping.remote() for a in actors])
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def idle_ray(steps: int, rounds: int) -> None:
+    """--idle-ray: torchrun alone, then beside an idle local Ray cluster (IDLE_RAY), taking turns:
+    what Ray's presence alone costs a training loop on this machine's cores."""
+    runs: dict[str, list[dict]] = {"torchrun alone": [], "torchrun beside an idle Ray": []}
+    for _ in range(rounds):
+        runs["torchrun alone"].append(run_baseline(steps, 2, 1))
+        cluster = subprocess.Popen([sys.executable, "-c", IDLE_RAY], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            if cluster.stdout.readline().strip() != "ready":
+                raise RuntimeError("the idle Ray cluster did not start")
+            runs["torchrun beside an idle Ray"].append(run_baseline(steps, 2, 1))
+        finally:
+            cluster.stdin.close()
+            cluster.wait(timeout=120)
+    alone = statistics.median(r["tokens_per_s"] for r in runs["torchrun alone"])
+    print(f"| run (median of {rounds}) | tokens/s | ratio | training CPU-s per step | "
+          "training's share of the machine | the rest's share |")
+    print("|---|---|---|---|---|---|")
+    for k, rs in runs.items():
+        med = {f: statistics.median(r[f] for r in rs) for f in
+               ("tokens_per_s", "train_cpu_s_per_step", "train_share_of_machine", "other_share_of_machine")}
+        print(f"| {k} | {med['tokens_per_s']:.0f} | {med['tokens_per_s'] / alone:.3f} | "
+              f"{med['train_cpu_s_per_step']:.3f} | {med['train_share_of_machine']:.1%} | "
+              f"{med['other_share_of_machine']:.1%} |")
+    for k, rs in runs.items():
+        print(f"the rest, by process ({k}): " + ", ".join(
+            f"{name} {share:.2%}" for name, share in median_others(rs)))
+    print(json.dumps({"benchmark": "overhead_idle_ray", "rounds": rounds, "runs": runs}))
+
+
 def run_baseline(steps: int, nproc: int, threads: int) -> dict:
     script = str(ROOT / "benchmarks" / "_ddp_baseline.py")
     if nproc > 1:
@@ -293,6 +341,8 @@ def main() -> None:
     p.add_argument("--levers", action="store_true", help="the CPU-gap levers' A/B instead (rounds: --repeat)")
     p.add_argument("--startup", action="store_true",
                    help="start-up phases against torchrun instead (rounds: --repeat)")
+    p.add_argument("--idle-ray", action="store_true",
+                   help="torchrun alone against torchrun beside an idle Ray cluster (rounds: --repeat)")
     p.add_argument("--lever", action="append", choices=list(LEVERS),
                    help="with --levers: only this setting (repeatable)")
     p.add_argument("--against", help="with --startup or --levers: also this git revision's code, "
@@ -300,6 +350,8 @@ def main() -> None:
     args = p.parse_args()
     if args.startup:
         return startup(args.repeat, args.against)
+    if args.idle_ray:
+        return idle_ray(args.steps, args.repeat)
     if args.levers:
         return levers(args.steps, args.repeat, args.lever, args.against)
     runs: dict[str, list[dict]] = {"a": [], "b": [], "e": []}

@@ -79,9 +79,15 @@ class TrainFirst:
         self.root = psutil.Process(root_pid or os.getpid())
         self.interval_s = interval_s
         self.can_raise = True  # False after the first refusal to lift a training worker
-        self.changed = {"helpers": 0, "training": 0}  # processes reprioritised, all sweeps
+        self._seen: dict[str, set[int]] = {"helpers": set(), "training": set()}  # pids changed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="train-first")
+
+    @property
+    def changed(self) -> dict[str, int]:
+        """Processes reprioritised over all sweeps, each counted once (a thread a process starts
+        during a sweep may need the next one too)."""
+        return {kind: len(pids) for kind, pids in self._seen.items()}
 
     def start(self) -> TrainFirst:
         self.sweep()
@@ -106,15 +112,17 @@ class TrainFirst:
         for proc in procs:
             try:
                 cmdline = proc.cmdline()
+                kind = None
                 if cmdline and cmdline[0].startswith(f"ray::{TRAINING_TITLE}"):
                     if self.can_raise and self._lift(proc):
-                        changed["training"] += 1
+                        kind = "training"
                 elif is_helper(cmdline) and set_nice(proc, HELPER_NICE):
-                    changed["helpers"] += 1
+                    kind = "helpers"
+                if kind is not None:
+                    changed[kind] += 1
+                    self._seen[kind].add(proc.pid)
             except (psutil.Error, ProcessLookupError, FileNotFoundError):
                 pass  # a process that ended between the listing and the call
-        for kind, n in changed.items():
-            self.changed[kind] += n
         return changed
 
     def _lift(self, proc: psutil.Process) -> bool:
