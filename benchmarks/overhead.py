@@ -306,16 +306,48 @@ def startup_phases(storage: str, code: Path) -> dict[str, float]:
     return {k: v for k, v in summary["startup"].items() if k.endswith("_s")}
 
 
+# A bare Ray Train run: a fresh local cluster (no dashboard) and a TorchTrainer of 2 gloo workers
+# whose train function only notes the time; prints the command-to-train-function seconds (the later
+# of the two ranks), the floor under any Ray Train job's start-up on this machine.
+BARE_RAY_TRAIN = """
+import psutil
+T0 = psutil.Process().create_time()
+import json, os, tempfile, time
+import ray, ray.train
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+folder = tempfile.mkdtemp()
+def noted():
+    import torch.distributed as dist
+    with open(os.path.join(folder, str(ray.train.get_context().get_world_rank())), "w") as f:
+        f.write(str(time.time()))
+    dist.barrier()
+ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+TorchTrainer(noted, scaling_config=ScalingConfig(num_workers=2),
+             run_config=RunConfig(storage_path=folder)).fit()
+print(json.dumps(max(float(open(os.path.join(folder, r)).read()) for r in "01") - T0))
+"""
+
+
+def bare_ray_train_s() -> float:
+    out = subprocess.run([sys.executable, "-c", BARE_RAY_TRAIN], check=True, capture_output=True,
+                         text=True, env={**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"})
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def startup(rounds: int, against: str | None) -> None:
-    """--startup: each round launches torchrun, then elastic-train (with --against REV: that
-    commit's code too, from a git worktree, taking turns); prints the median of each start-up
-    phase and the totals against torchrun's (command to the end of its first step)."""
+    """--startup: each round launches torchrun, a bare Ray Train run (BARE_RAY_TRAIN), then
+    elastic-train (with --against REV: that commit's code too, from a git worktree, taking turns);
+    prints the median of each start-up phase and the totals against torchrun's (command to the end
+    of its first step) and the bare run's (command to its train function)."""
     base: list[float] = []
     with tempfile.TemporaryDirectory() as storage, worktree(against) as old:
         codes = {"this tree": ROOT} if old is None else {against: old, "this tree": ROOT}
         phases: dict[str, list[dict]] = {k: [] for k in codes}
+        bare: list[float] = []
         for _ in range(rounds):
             base.append(run_baseline(STARTUP_STEPS, 2, 1)["startup_s"])
+            bare.append(bare_ray_train_s())
             for k, code in codes.items():
                 phases[k].append(startup_phases(storage, code))
     print(f"| phase (median of {rounds}) | " + " | ".join(codes) + " |")
@@ -325,13 +357,16 @@ def startup(rounds: int, against: str | None) -> None:
             f"{statistics.median(p[f] for p in runs):.2f}" for runs in phases.values()) + " |")
     torchrun = statistics.median(base)
     print(f"torchrun, command to first step: {torchrun:.2f} s (each: {'; '.join(f'{b:.2f}' for b in base)})")
+    floor = statistics.median(bare)
+    print(f"bare Ray Train (empty train function), command to train function: {floor:.2f} s "
+          f"(each: {'; '.join(f'{b:.2f}' for b in bare)}), {floor / torchrun:.2f}x torchrun")
     for k, runs in phases.items():
         totals = [p["total_s"] for p in runs]
         each = "; ".join(f"{t:.2f}" for t in totals)
         print(f"{k}: total {statistics.median(totals):.2f} s (each: {each}), "
               f"{statistics.median(totals) / torchrun:.2f}x torchrun")
     print(json.dumps({"benchmark": "overhead_startup", "rounds": rounds, "phases": phases,
-                      "torchrun_startup_s": base}))
+                      "torchrun_startup_s": base, "bare_ray_train_s": bare}))
 
 
 def main() -> None:
