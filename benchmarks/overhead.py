@@ -177,9 +177,8 @@ def levers(steps: int, rounds: int, chosen: list[str] | None, against: str | Non
           "start-up s |")
     print("|---|---|---|---|---|---|---|---|")
     for k, rs in runs.items():
-        med = {f: statistics.median(r[f] for r in rs if f in r) for f in
-               ("tokens_per_s", "step_ms", "host_ms", "train_share_of_machine", "other_share_of_machine",
-                "startup_s")}
+        med = medians(rs, ("tokens_per_s", "step_ms", "host_ms", "train_share_of_machine",
+                           "other_share_of_machine", "startup_s"))
         print(f"| {k} | {statistics.median(ratios[k]):.3f} ({'; '.join(f'{x:.3f}' for x in ratios[k])}) | "
               f"{med['tokens_per_s']:.0f} | {med['step_ms']:.1f} | {med['host_ms']:.1f} | "
               f"{med['train_share_of_machine']:.1%} | {med['other_share_of_machine']:.1%} | "
@@ -193,6 +192,13 @@ def levers(steps: int, rounds: int, chosen: list[str] | None, against: str | Non
             f"{name} {share:.2%}" for name, share in median_others(rs)))
     print(json.dumps({"benchmark": "overhead_levers", "rounds": rounds, "ratios": ratios,
                       "runs": runs, "torchrun": base}))
+
+
+def medians(runs: list[dict], fields: tuple[str, ...]) -> dict[str, float]:
+    """Each field's median over the runs that have it (a run too short for a steady window has
+    no CPU split)."""
+    return {f: statistics.median(r[f] for r in runs if f in r) for f in fields
+            if any(f in r for r in runs)}
 
 
 def median_others(runs: list[dict]) -> list[tuple[str, float]]:
@@ -253,8 +259,8 @@ def idle_ray(steps: int, rounds: int) -> None:
           "training's share of the machine | the rest's share |")
     print("|---|---|---|---|---|---|")
     for k, rs in runs.items():
-        med = {f: statistics.median(r[f] for r in rs) for f in
-               ("tokens_per_s", "train_cpu_s_per_step", "train_share_of_machine", "other_share_of_machine")}
+        med = medians(rs, ("tokens_per_s", "train_cpu_s_per_step", "train_share_of_machine",
+                           "other_share_of_machine"))
         print(f"| {k} | {med['tokens_per_s']:.0f} | {med['tokens_per_s'] / alone:.3f} | "
               f"{med['train_cpu_s_per_step']:.3f} | {med['train_share_of_machine']:.1%} | "
               f"{med['other_share_of_machine']:.1%} |")
@@ -284,8 +290,7 @@ def run_baseline(steps: int, nproc: int, threads: int) -> dict:
 def median_run(runs: list[dict]) -> dict:
     keys = ("tokens_per_s", "startup_s", "train_cpu_s_per_step", "train_share_of_machine",
             "other_share_of_machine")
-    return {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in keys if k in runs[0]},
-            "all_tokens_per_s": [round(r["tokens_per_s"]) for r in runs]}
+    return {**runs[0], **medians(runs, keys), "all_tokens_per_s": [round(r["tokens_per_s"]) for r in runs]}
 
 
 STARTUP_STEPS = WARMUP + 2  # run_baseline measures a steady rate too
@@ -312,7 +317,7 @@ def startup_phases(storage: str, code: Path) -> dict[str, float]:
 BARE_RAY_TRAIN = """
 import psutil
 T0 = psutil.Process().create_time()
-import json, os, tempfile, time
+import json, os, shutil, tempfile, time
 import ray, ray.train
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
@@ -326,6 +331,8 @@ ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=Fal
 TorchTrainer(noted, scaling_config=ScalingConfig(num_workers=2),
              run_config=RunConfig(storage_path=folder)).fit()
 print(json.dumps(max(float(open(os.path.join(folder, r)).read()) for r in "01") - T0))
+ray.shutdown()
+shutil.rmtree(folder)
 """
 
 
@@ -336,7 +343,7 @@ def bare_ray_train_s() -> float:
 
 
 def startup(rounds: int, against: str | None) -> None:
-    """--startup: each round launches torchrun, a bare Ray Train run (BARE_RAY_TRAIN), then
+    """--startup: each round launches a bare Ray Train run (BARE_RAY_TRAIN), torchrun, then
     elastic-train (with --against REV: that commit's code too, from a git worktree, taking turns);
     prints the median of each start-up phase and the totals against torchrun's (command to the end
     of its first step) and the bare run's (command to its train function)."""
