@@ -19,14 +19,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic_train.api import resolve_dataset
-from elastic_train.blocks import local_rank_steps
 from elastic_train.config import load_config, num_partitions
-from elastic_train.loop import StepSetup, all_reduce_sum, train_step
-from elastic_train.losses import LossModule
-from elastic_train.model import build_model
-from elastic_train.optim import build_optimizer, lr_at
-from elastic_train.plan import StreamSpec, owned_partitions
+from elastic_train.data.blocks import local_rank_steps
+from elastic_train.data.plan import StreamSpec, owned_partitions
+from elastic_train.preflight.inputs import resolve_dataset
+from elastic_train.training.collectives import all_reduce_sum
+from elastic_train.training.losses import LossModule
+from elastic_train.training.model import build_model
+from elastic_train.training.optim import build_optimizer, lr_at
+from elastic_train.training.step import StepSetup, train_step
 
 
 def allreduce_bandwidth_gbps(numel: int, repeats: int = 5) -> float | None:

@@ -8,7 +8,7 @@ measures, after one optimizer step so that the optimizer state exists:
 - one training step: forward_backward + optimizer_step over 8 micro-batches of up to 2048 tokens
   (the first global steps of the embedded corpus at world size 1, one torch thread);
 - the blocked fraction: snapshot / step time, and per step when checkpointing every 50 steps;
-- optimizer state bytes per parameter (elastic_train.optim.optimizer_state_bytes / count_parameters).
+- optimizer state bytes per parameter (elastic_train.training.optim.optimizer_state_bytes / count_parameters).
 The same for a bigger model (d_model 512, n_layer 4) without the full step: its step time is
 estimated as 8 x one micro-batch's forward/backward + the optimizer step.
 
@@ -32,16 +32,17 @@ from pathlib import Path
 
 import torch
 
-from elastic_train.blocks import local_rank_steps
-from elastic_train.checkpoint import snapshot, write_checkpoint
 from elastic_train.config import Config, ModelConfig, OptimConfig
-from elastic_train.data import MicroBatch
-from elastic_train.loop import StepSetup, TrainState, train_step
-from elastic_train.losses import LossModule
-from elastic_train.model import build_model, count_parameters
-from elastic_train.optim import build_optimizer, optimizer_state_bytes
-from elastic_train.plan import StreamSpec
-from elastic_train.prepare import default_corpus_dir, inspect_dataset
+from elastic_train.data.batches import MicroBatch
+from elastic_train.data.blocks import local_rank_steps
+from elastic_train.data.dataset import inspect_dataset
+from elastic_train.data.plan import StreamSpec
+from elastic_train.data.prepare import default_corpus_dir
+from elastic_train.training.checkpoint import snapshot, write_checkpoint
+from elastic_train.training.losses import LossModule
+from elastic_train.training.model import build_model, count_parameters
+from elastic_train.training.optim import build_optimizer, optimizer_state_bytes
+from elastic_train.training.step import StepSetup, TrainState, train_step
 
 MAX_SEQ_LEN = 512
 NUM_PARTITIONS = 8

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from elastic_train.checkpoint import load_checkpoint, snapshot, write_checkpoint
 from elastic_train.config import ModelConfig, OptimConfig
-from elastic_train.model import build_model, count_parameters
-from elastic_train.optim import build_optimizer
+from elastic_train.training.checkpoint import load_checkpoint, snapshot, write_checkpoint
+from elastic_train.training.model import build_model, count_parameters
+from elastic_train.training.optim import build_optimizer
 
 # GPT shapes of about 25M, 100M, 300M and 1B parameters (byte vocabulary, 512 positions)
 SIZES = {25: ModelConfig(d_model=512, n_layer=8, n_head=8),

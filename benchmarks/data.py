@@ -4,7 +4,7 @@
 
 On the embedded corpus (default plan: K = 8 partitions, 2048-token micro-batches, windows of 1024
 rows), for W = 1, 2, 4, 8, each rank streams its steps of one epoch through the block reader
-(`elastic_train.blocks`, what a training worker runs): rows and bytes read per rank against its
+(`elastic_train.data.blocks`, what a training worker runs): rows and bytes read per rank against its
 share of the rows trained, and read amplification (rows read by all ranks / rows trained; before
 sharded reads every rank read the whole data set: W). Then the time from a new reader to its first
 step at the epoch's start and at a resume from the cursors of a step 90% into the epoch (what a
@@ -19,9 +19,12 @@ import time
 
 import pyarrow.fs as pafs
 
-from elastic_train.blocks import BlockReader, RayDataBlockReader, build_block_table, iter_rank_steps
-from elastic_train.plan import StreamSpec, owned_partitions
-from elastic_train.prepare import default_corpus_dir, inspect_dataset
+from elastic_train.cluster.raydata import RayDataBlockReader
+from elastic_train.data.blocks import BlockReader, iter_rank_steps
+from elastic_train.data.dataset import inspect_dataset
+from elastic_train.data.plan import StreamSpec, owned_partitions
+from elastic_train.data.prepare import default_corpus_dir
+from elastic_train.data.rowgroups import build_block_table
 
 K, MICRO_BATCH_TOKENS, WINDOW, MAX_SEQ_LEN = 8, 2048, 1024, 512
 

@@ -63,9 +63,9 @@ def child(dataset: str, epochs: int, trace: bool) -> None:
     import pandas  # noqa: F401  (pyarrow imports it on the first batch: keep that out of the peaks)
     import pyarrow as pa
 
-    from elastic_train.blocks import local_rank_steps
-    from elastic_train.plan import StreamSpec, owned_partitions
-    from elastic_train.prepare import inspect_dataset
+    from elastic_train.data.blocks import local_rank_steps
+    from elastic_train.data.dataset import inspect_dataset
+    from elastic_train.data.plan import StreamSpec, owned_partitions
 
     info = inspect_dataset(dataset)
     partitions = owned_partitions(WORLD_RANK, WORLD_SIZE, NUM_PARTITIONS)
@@ -103,8 +103,8 @@ def _hold_what_a_worker_holds() -> None:
     import torch
 
     from elastic_train.config import ModelConfig, OptimConfig
-    from elastic_train.model import build_model, token_loss_sum
-    from elastic_train.optim import build_optimizer
+    from elastic_train.training.model import build_model, token_loss_sum
+    from elastic_train.training.optim import build_optimizer
 
     torch.set_num_threads(1)
     model = build_model(ModelConfig(), 512)
@@ -137,7 +137,7 @@ def write_scaled_copy(source: Path, target: Path, copies: int) -> None:
 
 def prepare_data(scratch: str) -> None:
     """The embedded corpus (prepared once and cached) and its scaled copies under `scratch`."""
-    from elastic_train.prepare import default_corpus_dir
+    from elastic_train.data.prepare import default_corpus_dir
 
     corpus = default_corpus_dir(MAX_SEQ_LEN)
     paths = {"1": str(corpus)}

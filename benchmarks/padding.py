@@ -3,7 +3,7 @@
 Two figures for each batching mode, with the default plan (micro_batch_tokens 2048, shuffle_window
 1024, K = 8 partitions) as seen by 2 ranks:
 - real-token efficiency, real tokens / padded tokens, over one whole epoch of both ranks;
-- real tokens/s of forward + backward (`elastic_train.loop.forward_backward`, world size 1, no DDP,
+- real tokens/s of forward + backward (`elastic_train.training.step.forward_backward`, world size 1, no DDP,
   default model, one torch thread) over rank 0's first steps after a warm-up.
 
 The two modes are timed alternately, step by step, so that load from other processes on the machine
@@ -22,14 +22,15 @@ import time
 import numpy as np
 import torch
 
-from elastic_train.blocks import local_rank_steps
 from elastic_train.config import ModelConfig
-from elastic_train.data import MicroBatch, iter_parquet_batches
-from elastic_train.loop import StepSetup, forward_backward
-from elastic_train.losses import LossModule
-from elastic_train.model import build_model
-from elastic_train.plan import StreamSpec, owned_partitions
-from elastic_train.prepare import default_corpus_dir, inspect_dataset
+from elastic_train.data.batches import MicroBatch, iter_parquet_batches
+from elastic_train.data.blocks import local_rank_steps
+from elastic_train.data.dataset import inspect_dataset
+from elastic_train.data.plan import StreamSpec, owned_partitions
+from elastic_train.data.prepare import default_corpus_dir
+from elastic_train.training.losses import LossModule
+from elastic_train.training.model import build_model
+from elastic_train.training.step import StepSetup, forward_backward
 
 MAX_SEQ_LEN = 512
 MICRO_BATCH_TOKENS = 2048

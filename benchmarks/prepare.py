@@ -30,8 +30,8 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from elastic_train.prepare import prepare, stdlib_source_files  # noqa: E402
-from elastic_train.prepare_ray import prepare_ray  # noqa: E402
+from elastic_train.cluster.prepare_ray import prepare_ray  # noqa: E402
+from elastic_train.data.prepare import prepare, stdlib_source_files  # noqa: E402
 
 
 def train_bpe(folder: Path, vocab_size: int = 4096) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from elastic_train import load_config
 from elastic_train.api import train
-from elastic_train.summary import read_jsonl
+from elastic_train.observe.summary import read_jsonl
 
 BASE = ["log.progress=none", "eval.fraction=0", "checkpoint.keep_best=false"]
 

@@ -36,12 +36,13 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from elastic_train.commhooks import ddp_kwargs, register_comm_hook  # noqa: E402
 from elastic_train.config import ModelConfig, load_config  # noqa: E402
-from elastic_train.data import pad_rows  # noqa: E402
-from elastic_train.loop import ExactGradSum, StepSetup, train_step  # noqa: E402
-from elastic_train.losses import LossModule  # noqa: E402
-from elastic_train.model import build_model, count_parameters  # noqa: E402
+from elastic_train.data.batches import pad_rows  # noqa: E402
+from elastic_train.training.commhooks import ddp_kwargs, register_comm_hook  # noqa: E402
+from elastic_train.training.losses import LossModule  # noqa: E402
+from elastic_train.training.model import build_model, count_parameters  # noqa: E402
+from elastic_train.training.reduce import ExactGradSum  # noqa: E402
+from elastic_train.training.step import StepSetup, train_step
 
 MODES = ["compute", "exact", "ddp", "fp16", "bf16", "powersgd"]
 ROW_TOKENS = 64

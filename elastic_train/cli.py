@@ -22,7 +22,7 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     from elastic_train.api import train
-    from elastic_train.progress import Progress
+    from elastic_train.observe.progress import Progress
 
     progress = Progress(cfg.train.max_steps, cfg.log.progress, cfg.log.print_every_steps)
     result = train(cfg, progress=progress, verbose=args.verbose)
@@ -36,8 +36,8 @@ def _train(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     import time
 
-    from elastic_train.prepare import prepare
-    from elastic_train.prepare_ray import choose_engine, prepare_ray, summary_line
+    from elastic_train.cluster.prepare_ray import choose_engine, prepare_ray, summary_line
+    from elastic_train.data.prepare import prepare
 
     started = time.perf_counter()
     engine = choose_engine(args.engine, args.inputs)
@@ -68,7 +68,7 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from elastic_train.report import run_report
+    from elastic_train.observe.report import run_report
 
     return run_report(args.run_folder)
 

@@ -26,7 +26,10 @@ import torch
 import yaml
 from torch import nn
 
-from elastic_train.checkpoint import (
+from elastic_train.config import Config, ConfigError, config_from_dict
+from elastic_train.data.batches import make_batch
+from elastic_train.data.tokenizer import Tokenizer
+from elastic_train.training.checkpoint import (
     CheckpointError,
     is_complete,
     read_best_pointer,
@@ -34,10 +37,10 @@ from elastic_train.checkpoint import (
     read_state,
     signature_mismatch,
 )
-from elastic_train.config import Config, ConfigError, config_from_dict
-from elastic_train.losses import forward, make_batch
-from elastic_train.model import ModelFn, build_model
-from elastic_train.tokenizer import Tokenizer
+from elastic_train.training.losses import (
+    forward,
+)
+from elastic_train.training.model import ModelFn, build_model
 
 
 @dataclass
@@ -81,7 +84,8 @@ def load_run_config(run_folder: Path) -> Config:
 
 def run_tokenizer(cfg: Config) -> Tokenizer:
     """The tokenizer the run's data set records (bytes for byte data)."""
-    from elastic_train.prepare import default_corpus_dir, inspect_dataset, load_dataset_tokenizer
+    from elastic_train.data.dataset import inspect_dataset, load_dataset_tokenizer
+    from elastic_train.data.prepare import default_corpus_dir
 
     path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
     return load_dataset_tokenizer(inspect_dataset(path))

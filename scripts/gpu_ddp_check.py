@@ -8,12 +8,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic_train.commhooks import ddp_kwargs, register_comm_hook
 from elastic_train.config import ModelConfig, load_config
-from elastic_train.data import pad_rows
-from elastic_train.loop import ExactGradSum, StepSetup, forward_backward
-from elastic_train.losses import LossModule
-from elastic_train.model import build_model, token_loss_sum
+from elastic_train.data.batches import pad_rows
+from elastic_train.training.commhooks import ddp_kwargs, register_comm_hook
+from elastic_train.training.losses import LossModule
+from elastic_train.training.model import build_model, token_loss_sum
+from elastic_train.training.reduce import ExactGradSum
+from elastic_train.training.step import StepSetup, forward_backward
 
 
 def batch():

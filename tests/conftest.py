@@ -27,7 +27,7 @@ def tiny() -> list[str]:
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory) -> str:
     """About 1,500 rows of real, long-tailed text: a few standard-library modules."""
-    from elastic_train.prepare import prepare
+    from elastic_train.data.prepare import prepare
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [stdlib / name for name in ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py",

@@ -8,11 +8,11 @@ from typing import Any
 import pyarrow.fs as pafs
 import torch
 
-from elastic_train.api import data_tables
-from elastic_train.checkpoint import BestCheckpointWriter
 from elastic_train.config import Config
-from elastic_train.loop import train_loop
-from elastic_train.prepare import inspect_dataset
+from elastic_train.data.dataset import inspect_dataset
+from elastic_train.preflight.inputs import data_tables
+from elastic_train.training.checkpoint import BestCheckpointWriter
+from elastic_train.training.loop import train_loop
 
 
 class LocalEnv:

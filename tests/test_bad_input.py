@@ -54,7 +54,7 @@ def dataset(root: Path, *shards_ids: list) -> str:
 @pytest.fixture(scope="module")
 def good_data(tmp_path_factory) -> str:
     """A small prepared data set (bytes): prepare's shards and `_prepare.json`."""
-    from elastic_train.prepare import prepare
+    from elastic_train.data.prepare import prepare
 
     src = tmp_path_factory.mktemp("src")
     for k in range(3):
@@ -69,11 +69,11 @@ def resumable_run(storage: Path, data: str, name: str = "r") -> Path:
     resolves it), with the `dataset.json` a fit writes; no Ray."""
     import torch
 
-    from elastic_train.api import check_inputs
-    from elastic_train.checkpoint import snapshot, write_checkpoint
-    from elastic_train.checks import IDENTITY_FILE, data_identity
     from elastic_train.config import load_config
-    from elastic_train.model import build_model
+    from elastic_train.preflight.checks import IDENTITY_FILE, data_identity
+    from elastic_train.preflight.inputs import check_inputs
+    from elastic_train.training.checkpoint import snapshot, write_checkpoint
+    from elastic_train.training.model import build_model
 
     cfg = load_config(None, [*TINY, f"data.path={data}", f"run.storage_path={storage}",
                              f"run.name={name}"])
@@ -440,7 +440,7 @@ def test_repeated_or_negative_ids_are_refused_before_training(tmp_path, capsys, 
 def test_prepare_skips_binary_files_with_a_count(tmp_path, capsys, caplog):
     """Binary files, named directly or found in a folder with a text suffix, are skipped with one
     warning that counts them; whitespace-only files give no rows."""
-    from elastic_train.prepare import inspect_dataset
+    from elastic_train.data.dataset import inspect_dataset
 
     (tmp_path / "in").mkdir()
     inputs = files(tmp_path / "in", a_txt=b"some text\n\nmore text\n", lib_so=ELF, image_png=PNG,
@@ -471,8 +471,8 @@ def test_report_skips_corrupt_and_foreign_lines_with_a_count(tmp_path, capsys):
 @pytest.mark.unit
 def test_resume_on_other_data_with_keep_position_is_allowed(tmp_path, good_data, caplog):
     """data.on_change=keep_position: the user means it; the checks pass with a warning."""
-    from elastic_train.api import check_inputs
     from elastic_train.config import load_config
+    from elastic_train.preflight.inputs import check_inputs
 
     resumable_run(tmp_path / "runs", good_data, "t")
     cfg = load_config(None, [*TINY, f"data.path={good_data}", f"run.storage_path={tmp_path / 'runs'}",
@@ -489,8 +489,8 @@ def test_resume_on_other_data_with_keep_position_is_allowed(tmp_path, good_data,
 @pytest.mark.unit
 def test_sample_ids_in_shuffled_order_are_checked_by_sorting(tmp_path):
     """Ids that are unique but not in increasing ranges take the sorting pass, and pass."""
-    from elastic_train.checks import check_sample_ids
-    from elastic_train.prepare import inspect_dataset
+    from elastic_train.data.dataset import inspect_dataset
+    from elastic_train.preflight.checks import check_sample_ids
 
     ids = np.random.default_rng(0).permutation(1000).tolist()
     check_sample_ids(inspect_dataset(dataset(tmp_path / "ok", ids[:600], ids[600:])))
@@ -503,8 +503,8 @@ def test_unreachable_storage_uri_times_out_with_one_line(monkeypatch):
     """A bucket that never answers: the probe gives up after its timeout, naming the key."""
     import threading
 
-    from elastic_train import checks
     from elastic_train.config import ConfigError, load_config
+    from elastic_train.preflight import checks
 
     release = threading.Event()
     monkeypatch.setattr(checks, "_probe_uri", lambda uri: release.wait(30))

@@ -9,7 +9,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from elastic_train.checkpoint import (
+from elastic_train.config import ModelConfig, OptimConfig
+from elastic_train.training.checkpoint import (
     MANIFEST,
     is_complete,
     load_checkpoint,
@@ -18,10 +19,9 @@ from elastic_train.checkpoint import (
     snapshot,
     write_checkpoint,
 )
-from elastic_train.config import ModelConfig, OptimConfig
-from elastic_train.loop import TrainState
-from elastic_train.model import build_model
-from elastic_train.optim import build_optimizer
+from elastic_train.training.model import build_model
+from elastic_train.training.optim import build_optimizer
+from elastic_train.training.step import TrainState
 
 pytestmark = pytest.mark.unit
 MODEL = ModelConfig(n_layer=2, d_model=64, n_head=2, vocab_size=256)

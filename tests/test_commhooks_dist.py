@@ -9,15 +9,15 @@ import torch
 from ranks import run_ranks
 from test_dist import build, global_batch, reference_grads
 
-from elastic_train.commhooks import (
+from elastic_train.config import load_config
+from elastic_train.training.commhooks import (
     ddp_kwargs,
     load_powersgd_state,
     powersgd_state_dict,
     register_comm_hook,
 )
-from elastic_train.config import load_config
-from elastic_train.loop import StepSetup, forward_backward, train_step
-from elastic_train.losses import LossModule
+from elastic_train.training.losses import LossModule
+from elastic_train.training.step import StepSetup, forward_backward, train_step
 
 pytestmark = pytest.mark.dist
 

@@ -112,10 +112,10 @@ def test_cli_refuses_a_run_whose_checkpoint_is_of_another_model(tmp_path, small_
     newer one (no manifest) is skipped, as Ray never registered it; nothing is written."""
     from dataclasses import asdict
 
-    from elastic_train.checkpoint import snapshot, write_checkpoint
     from elastic_train.config import ModelConfig
-    from elastic_train.loop import TrainState
-    from elastic_train.model import build_model
+    from elastic_train.training.checkpoint import snapshot, write_checkpoint
+    from elastic_train.training.model import build_model
+    from elastic_train.training.step import TrainState
 
     model = build_model(ModelConfig(n_layer=1, d_model=32, n_head=2), 128)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -174,7 +174,8 @@ def test_empty_section_in_a_file_takes_overrides(tmp_path):
 
 def test_collective_timeout_reaches_the_process_group(small_dataset, tmp_path):
     """scaling.collective_timeout_s is the process group's timeout (not torch's 30 minutes)."""
-    from elastic_train.api import build_trainer, check_inputs
+    from elastic_train.cluster.driver import build_trainer
+    from elastic_train.preflight.inputs import check_inputs
 
     cfg = load_config(None, [f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
                              "data.max_seq_len=128", "data.micro_batch_tokens=1024",
@@ -190,7 +191,8 @@ def test_the_trainer_leaves_out_what_a_run_does_not_use(small_dataset, tmp_path)
     cleaner. Ray 2.60's callback names: if Ray renames them, this fails."""
     from ray.train.torch import TorchTrainer
 
-    from elastic_train.api import build_trainer, check_inputs
+    from elastic_train.cluster.driver import build_trainer
+    from elastic_train.preflight.inputs import check_inputs
 
     cfg = load_config(None, [f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
                              "data.max_seq_len=128", "data.micro_batch_tokens=1024",

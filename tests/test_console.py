@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.cli import build_parser
-from elastic_train.console import (
+from elastic_train.cluster.console import (
     RAY_LOG,
     RayLog,
     is_ray_chatter,

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from elastic_train.cpushare import HELPER_NICE, RAY_DIR, RAYLET, TRAINING_NICE, TrainFirst
+from elastic_train.cluster.cpushare import HELPER_NICE, RAY_DIR, RAYLET, TRAINING_NICE, TrainFirst
 
 pytestmark = pytest.mark.unit
 

@@ -10,10 +10,11 @@ import torch
 from ranks import run_ranks
 
 from elastic_train.config import ModelConfig
-from elastic_train.data import pad_rows
-from elastic_train.loop import ExactGradSum, StepSetup, forward_backward, train_step
-from elastic_train.losses import LossModule
-from elastic_train.model import build_model, token_loss_sum
+from elastic_train.data.batches import pad_rows
+from elastic_train.training.losses import LossModule
+from elastic_train.training.model import build_model, token_loss_sum
+from elastic_train.training.reduce import ExactGradSum
+from elastic_train.training.step import StepSetup, forward_backward, train_step
 
 pytestmark = pytest.mark.dist
 

@@ -21,8 +21,8 @@ from test_train_ray import TINY, assert_same_training, effective_ids, metrics, r
 
 from elastic_train import load_config
 from elastic_train.api import train
-from elastic_train.nodewatch import COORDINATOR, refresh_reservations
-from elastic_train.raycompat import committed_checkpoint_step
+from elastic_train.cluster.nodewatch import COORDINATOR, refresh_reservations
+from elastic_train.cluster.raycompat import committed_checkpoint_step
 
 pytestmark = pytest.mark.chaos
 
@@ -233,7 +233,7 @@ def no_run_left_behind():
 
 def check_same_training(result, reference, small_dataset) -> None:
     """Every sample once per epoch; ids, loss curve and final model those of the fixed-size run."""
-    from elastic_train.prepare import inspect_dataset
+    from elastic_train.data.dataset import inspect_dataset
 
     rows = inspect_dataset(small_dataset).rows
     seen: dict[int, Counter] = {}

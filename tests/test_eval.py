@@ -17,19 +17,21 @@ from conftest import TINY
 from localenv import train_locally
 from ranks import run_ranks
 
-from elastic_train.api import data_tables, dataset_blocks, train
-from elastic_train.blocks import BlockReader
-from elastic_train.checkpoint import BEST_POINTER, read_best_pointer, write_best
+from elastic_train.api import train
 from elastic_train.config import ConfigError, ModelConfig, load_config
+from elastic_train.data.blocks import BlockReader
+from elastic_train.data.dataset import dataset_blocks, inspect_dataset
+from elastic_train.data.plan import StreamSpec
+from elastic_train.data.rowgroups import build_block_table, hold_out
 from elastic_train.export import default_checkpoint, load_trained
-from elastic_train.loop import StepSetup, evaluate
-from elastic_train.losses import LossModule
-from elastic_train.model import build_model
-from elastic_train.plan import StreamSpec
-from elastic_train.prepare import inspect_dataset
-from elastic_train.report import load_run, make_report
-from elastic_train.rowgroups import build_block_table, hold_out
-from elastic_train.summary import build_summary, eval_figures, ledger
+from elastic_train.observe.report import load_run, make_report
+from elastic_train.observe.summary import build_summary, eval_figures, ledger
+from elastic_train.preflight.inputs import data_tables
+from elastic_train.training.checkpoint import BEST_POINTER, read_best_pointer, write_best
+from elastic_train.training.evaluate import evaluate
+from elastic_train.training.losses import LossModule
+from elastic_train.training.model import build_model
+from elastic_train.training.step import StepSetup
 
 EVAL = [*TINY, "eval.fraction=0.1", "eval.every_steps=10"]
 
@@ -80,8 +82,8 @@ def test_bad_eval_settings_are_refused_naming_the_key(override, message):
 
 @pytest.mark.unit
 def test_an_eval_path_of_another_tokenizer_or_missing_is_refused(small_dataset, bpe_tokenizer, tmp_path):
-    from elastic_train.api import check_inputs
-    from elastic_train.prepare import prepare
+    from elastic_train.data.prepare import prepare
+    from elastic_train.preflight.inputs import check_inputs
 
     base = [*TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path / 'runs'}"]
     with pytest.raises(ConfigError, match="eval.path: .*nope"):
@@ -264,7 +266,7 @@ def test_eval_is_the_same_on_1_and_2_workers_and_across_crashes(ray_cluster, sma
 @pytest.mark.ray
 def test_an_eval_data_set_of_its_own(ray_cluster, small_dataset, tmp_path):
     """eval.path: another prepared data set, evaluated at the end; all of data.path is trained."""
-    from elastic_train.prepare import prepare
+    from elastic_train.data.prepare import prepare
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     held = tmp_path / "held"
@@ -277,7 +279,7 @@ def test_an_eval_data_set_of_its_own(ray_cluster, small_dataset, tmp_path):
     assert next(r for r in lines if "eval_loss" in r)["eval_targets"] == targets  # all of it
     assert not (Path(result.run_dir) / BEST_POINTER).exists()
     # What ran is recorded: in summary.json, provenance.json and every checkpoint's state.json.
-    from elastic_train.provenance import data_hash
+    from elastic_train.observe.provenance import data_hash
 
     record = result.summary["provenance"]
     assert record["data_hash"] == data_hash(inspect_dataset(small_dataset))

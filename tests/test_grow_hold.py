@@ -24,7 +24,7 @@ class FakeRunLog:
 
 
 def hold_with(runlog: FakeRunLog, wait_s: float = 60.0):
-    from elastic_train.nodewatch import GrowHold
+    from elastic_train.cluster.nodewatch import GrowHold
 
     now = [0.0]
     hold = GrowHold(runlog.ask, runlog.done, runlog.events.append, wait_s=wait_s, clock=lambda: now[0])
@@ -91,8 +91,8 @@ def test_the_ray_seams_the_hold_is_plugged_into_are_there():
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy import create_scaling_policy
 
-    from elastic_train.api import Trainer
-    from elastic_train.nodewatch import CheckpointBeforeGrow, ElasticScalingPolicy
+    from elastic_train.cluster.driver import Trainer
+    from elastic_train.cluster.nodewatch import CheckpointBeforeGrow, ElasticScalingPolicy
 
     source = inspect.getsource(Trainer.__mro__[1].fit)
     assert "self._initialize_and_run_controller(" in source and "scaling_policy=" in source

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from test_train_ray import assert_same_training, metrics, run
 
-from elastic_train.stragglers import STRAGGLER_RATIO
+from elastic_train.observe.stragglers import STRAGGLER_RATIO
 
 pytestmark = pytest.mark.ray
 

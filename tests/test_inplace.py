@@ -144,7 +144,7 @@ def test_the_run_log_fences_a_registered_process_on_its_node(ray_cluster, tmp_pa
     gone, is not touched."""
     import ray
 
-    from elastic_train.runlog import RunLog
+    from elastic_train.cluster.runlog import RunLog
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:

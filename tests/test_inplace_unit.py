@@ -14,11 +14,11 @@ import pytest
 from test_plan import K, spec, table_of, write_rows
 
 from elastic_train import load_config
-from elastic_train.blocks import BlockReader, iter_rank_steps
 from elastic_train.config import ConfigError
-from elastic_train.fence import MissingReplicas, end_process
-from elastic_train.inplace import PartitionPool
-from elastic_train.plan import owned_partitions
+from elastic_train.data.blocks import BlockReader, iter_rank_steps
+from elastic_train.data.plan import owned_partitions
+from elastic_train.recovery.fence import MissingReplicas, end_process
+from elastic_train.recovery.inplace import PartitionPool
 
 pytestmark = pytest.mark.unit
 

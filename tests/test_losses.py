@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from elastic_train.config import ModelConfig
-from elastic_train.losses import _logits_loss_sum, causal_lm_loss, chunked_head_applies, forward, make_batch
-from elastic_train.model import (
+from elastic_train.data.batches import make_batch
+from elastic_train.training.losses import (
+    _logits_loss_sum,
+    causal_lm_loss,
+    chunked_head_applies,
+    forward,
+)
+from elastic_train.training.model import (
     build_meta_model,
     build_model,
     count_parameters,
@@ -113,7 +119,7 @@ def test_flops_for_any_model_from_the_parameter_count(llama_folder):
 META_CHECK = """
 import sys, torch
 from elastic_train.config import ModelConfig
-from elastic_train.model import build_meta_model, build_model
+from elastic_train.training.model import build_meta_model, build_model
 cfg = ModelConfig(**{kwargs!r})
 meta = build_meta_model(cfg, 64)
 assert {own} is False or "torch._dynamo" not in sys.modules, "the meta build imported torch._dynamo"

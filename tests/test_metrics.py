@@ -12,7 +12,7 @@ from conftest import TINY
 
 from elastic_train import load_config
 from elastic_train.api import train
-from elastic_train.raymetrics import RunningGoodput
+from elastic_train.cluster.raymetrics import RunningGoodput
 
 GAUGES = ("step", "tokens_per_s", "mfu", "goodput", "world_size", "restarts")
 
@@ -109,7 +109,7 @@ def test_a_restart_sets_the_restarts_gauge_and_a_replayed_step_counts_once(metri
     checkpoint of step 1, step 2 again (a crash run costs minutes; this, seconds)."""
     import ray
 
-    from elastic_train.runlog import RunLog
+    from elastic_train.cluster.runlog import RunLog
 
     runlog = RunLog.remote(str(tmp_path / "direct"))
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from elastic_train.config import ModelConfig, OptimConfig
-from elastic_train.model import (
+from elastic_train.training.model import (
     build_model,
     count_parameters,
     model_flops_per_token,
     token_loss_sum,
 )
-from elastic_train.optim import (
+from elastic_train.training.optim import (
     build_optimizer,
     lr_at,
     optimizer_state_bytes,

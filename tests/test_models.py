@@ -21,11 +21,14 @@ from localenv import train_locally
 
 from elastic_train import load_config
 from elastic_train.api import train
-from elastic_train.checkpoint import read_shards
 from elastic_train.config import config_from_dict
+from elastic_train.data.batches import make_batch
+from elastic_train.data.prepare import prepare
 from elastic_train.export import load_trained
-from elastic_train.losses import causal_lm_loss, make_batch
-from elastic_train.prepare import prepare
+from elastic_train.training.checkpoint import read_shards
+from elastic_train.training.losses import (
+    causal_lm_loss,
+)
 
 pytestmark = pytest.mark.ray
 

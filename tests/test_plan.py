@@ -11,8 +11,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from elastic_train.blocks import BlockReader, build_block_table, check_blocks, iter_rank_steps
-from elastic_train.plan import (
+from elastic_train.data.blocks import BlockReader, check_blocks, iter_rank_steps
+from elastic_train.data.plan import (
     StreamSpec,
     assign_blocks,
     bucket_window,
@@ -21,6 +21,7 @@ from elastic_train.plan import (
     utilisation,
     window_spans,
 )
+from elastic_train.data.rowgroups import build_block_table
 
 pytestmark = pytest.mark.unit
 
@@ -205,7 +206,8 @@ def efficiency(table, bucketing: bool) -> float:
 
 
 def test_padding_efficiency_on_embedded_corpus(tmp_path):
-    from elastic_train.prepare import default_corpus_dir, inspect_dataset
+    from elastic_train.data.dataset import inspect_dataset
+    from elastic_train.data.prepare import default_corpus_dir
 
     info = inspect_dataset(str(default_corpus_dir(512, cache_root=tmp_path)))
     table = build_block_table(info.filesystem, info.files, info.files)
@@ -219,7 +221,7 @@ def test_padding_efficiency_on_embedded_corpus(tmp_path):
     ("token", r"row \d+ \(id 7\): token id 300 is outside the model's vocabulary of 256"),
 ])
 def test_a_bad_row_is_named_while_streaming(tmp_path, bad, message):
-    from elastic_train.rowgroups import DataError
+    from elastic_train.data.rowgroups import DataError
 
     lengths = np.array([5, 9, 3, 7] * 10)
     ids = np.arange(40) + 4
@@ -242,7 +244,7 @@ def test_foreign_parquet_with_huge_row_groups_is_refused_then_rechunked_by_prepa
     """A data set of one row group per file gets one error naming the fix; `prepare` with that
     fix re-chunks it (every column and id kept) into a data set the plan accepts."""
     from elastic_train.cli import main
-    from elastic_train.prepare import inspect_dataset
+    from elastic_train.data.dataset import inspect_dataset
 
     lengths = write_rows(tmp_path / "foreign", 600, rows_per_block=1000, files=2)
     fix = "has 2 Parquet row groups.*elastic-train prepare .* --rows-per-block N"

@@ -21,7 +21,7 @@ from conftest import TINY
 
 from elastic_train import load_config
 from elastic_train.api import TrainingFailed, train
-from elastic_train.checkpoint import is_complete, read_shards
+from elastic_train.training.checkpoint import is_complete, read_shards
 
 pytestmark = pytest.mark.ray
 

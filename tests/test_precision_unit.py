@@ -30,13 +30,13 @@ import pytest
 import torch
 from ranks import run_ranks
 
-from elastic_train.checkpoint import load_checkpoint, read_shards, snapshot, write_checkpoint
 from elastic_train.config import ModelConfig, OptimConfig
-from elastic_train.data import MicroBatch, pad_rows
-from elastic_train.loop import StepSetup, TrainState, autocast_context, train_step
-from elastic_train.losses import LossModule
-from elastic_train.model import build_model
-from elastic_train.optim import build_optimizer, lr_at
+from elastic_train.data.batches import MicroBatch, pad_rows
+from elastic_train.training.checkpoint import load_checkpoint, read_shards, snapshot, write_checkpoint
+from elastic_train.training.losses import LossModule
+from elastic_train.training.model import build_model
+from elastic_train.training.optim import build_optimizer, lr_at
+from elastic_train.training.step import StepSetup, TrainState, autocast_context, train_step
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)

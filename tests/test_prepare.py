@@ -1,4 +1,4 @@
-"""Tests for elastic_train.prepare: text files to Parquet shards, and checking shards."""
+"""Tests for elastic_train.data.prepare: text files to Parquet shards, and checking shards."""
 
 from __future__ import annotations
 
@@ -16,20 +16,14 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from elastic_train import prepare as prepare_module
-from elastic_train import sources
 from elastic_train.cli import main as cli_main
-from elastic_train.plan import bucket_window
-from elastic_train.prepare import (
-    default_corpus_dir,
-    inspect_dataset,
-    load_dataset_tokenizer,
-    prepare,
-    split_document_spans,
-    stdlib_source_files,
-)
-from elastic_train.sources import tokenized_file_rows
-from elastic_train.tokenizer import ByteTokenizer, load_tokenizer
+from elastic_train.data import prepare as prepare_module
+from elastic_train.data import sources
+from elastic_train.data.dataset import inspect_dataset, load_dataset_tokenizer
+from elastic_train.data.plan import bucket_window
+from elastic_train.data.prepare import default_corpus_dir, prepare, stdlib_source_files
+from elastic_train.data.sources import split_document_spans, tokenized_file_rows
+from elastic_train.data.tokenizer import ByteTokenizer, load_tokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Tests for elastic_train.prepare_ray: the Ray Data `prepare` gives the shards of the
+"""Tests for elastic_train.cluster.prepare_ray: the Ray Data `prepare` gives the shards of the
 single-process `prepare`, whatever the run and the parallelism."""
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from elastic_train import prepare_ray as prepare_ray_module
-from elastic_train.blocks import build_block_table
 from elastic_train.cli import main as cli_main
-from elastic_train.prepare import inspect_dataset, prepare
-from elastic_train.prepare_ray import choose_engine, prepare_ray
-from elastic_train.sources import collect_input_files
+from elastic_train.cluster import prepare_ray as prepare_ray_module
+from elastic_train.cluster.prepare_ray import choose_engine, prepare_ray
+from elastic_train.data.dataset import inspect_dataset
+from elastic_train.data.prepare import prepare
+from elastic_train.data.rowgroups import build_block_table
+from elastic_train.data.sources import collect_input_files
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 ARGS = {"max_seq_len": 64, "rows_per_shard": 150, "rows_per_block": 16, "seed": 3}

@@ -15,13 +15,13 @@ import textwrap
 import pexpect
 import pytest
 
-from elastic_train.progress import _eta_s, format_line
+from elastic_train.observe.progress import _eta_s, format_line
 
 pytestmark = pytest.mark.unit
 
 SCRIPT = textwrap.dedent('''
     import sys, time
-    from elastic_train.progress import Progress
+    from elastic_train.observe.progress import Progress
 
     attempts = [{"attempt": 0, "world_size": 2, "start_time": 0.0}]
     steps = [None, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7]

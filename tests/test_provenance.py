@@ -14,12 +14,12 @@ import pytest
 import torch
 from conftest import TINY
 
-from elastic_train import provenance
-from elastic_train.api import check_inputs
-from elastic_train.checkpoint import snapshot, write_checkpoint
 from elastic_train.config import ConfigError, load_config
-from elastic_train.model import build_model
-from elastic_train.prepare import inspect_dataset
+from elastic_train.data.dataset import inspect_dataset
+from elastic_train.observe import provenance
+from elastic_train.preflight.inputs import check_inputs
+from elastic_train.training.checkpoint import snapshot, write_checkpoint
+from elastic_train.training.model import build_model
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import time
 import pyarrow.fs as pafs
 import pytest
 
-from elastic_train import raycompat
+from elastic_train.cluster import raycompat
 
 pytestmark = pytest.mark.unit
 

@@ -8,11 +8,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from elastic_train.checkpoint import read_state, snapshot, write_checkpoint
-from elastic_train.checks import check_reduce
 from elastic_train.config import ConfigError, choose_grad_reduce, load_config
-from elastic_train.loop import TrainState
-from elastic_train.optim import training_bytes_per_param
+from elastic_train.preflight.checks import check_reduce
+from elastic_train.training.checkpoint import read_state, snapshot, write_checkpoint
+from elastic_train.training.optim import training_bytes_per_param
+from elastic_train.training.step import TrainState
 
 pytestmark = pytest.mark.unit
 
@@ -65,8 +65,8 @@ class FakeEnv:
 
 
 def test_powersgd_state_comes_back_per_rank_at_the_same_size_and_warms_up_after_a_resize(tmp_path):
-    from elastic_train.commhooks import new_powersgd_state, powersgd_state_dict
-    from elastic_train.loop import restore_powersgd
+    from elastic_train.training.build import restore_powersgd
+    from elastic_train.training.commhooks import new_powersgd_state, powersgd_state_dict
 
     t = load_config(None, ["train.grad_reduce=ddp", "train.grad_compression=powersgd"]).train
     ranks = []

@@ -11,8 +11,8 @@ import pytest
 from matplotlib.image import imread
 
 from elastic_train.cli import main
-from elastic_train.report import find_marks, make_report
-from elastic_train.summary import build_summary
+from elastic_train.observe.report import find_marks, make_report
+from elastic_train.observe.summary import build_summary
 
 LEDGER_PARTS = ("startup_s", "productive_s", "recovery_s", "replayed_s", "checkpoint_s",
                 "data_wait_s", "shutdown_s", "other_s")
@@ -139,7 +139,7 @@ def test_find_marks_restart_then_resize():
 def test_tensorboard_writer(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from elastic_train.tb import TensorBoardWriter
+    from elastic_train.observe.tb import TensorBoardWriter
 
     writer = TensorBoardWriter(tmp_path)
     records = [_record(s, 0, 2, 100.0 + s, 5.0 - 0.1 * s) for s in range(1, 5)]

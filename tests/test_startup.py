@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_train.summary import startup_breakdown
+from elastic_train.observe.summary import startup_breakdown
 
 pytestmark = pytest.mark.unit
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from test_report import check_png
 
-from elastic_train.loop import rank_slots
-from elastic_train.progress import format_line
-from elastic_train.report import make_report
-from elastic_train.stragglers import rank_figures, straggler
-from elastic_train.summary import build_summary
+from elastic_train.observe.progress import format_line
+from elastic_train.observe.report import make_report
+from elastic_train.observe.stragglers import rank_figures, straggler
+from elastic_train.observe.summary import build_summary
+from elastic_train.training.collectives import rank_slots
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Tests for elastic_train.tokenizer: bytes, tokenizer.json files and transformers folders."""
+"""Tests for elastic_train.data.tokenizer: bytes, tokenizer.json files and transformers folders."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from elastic_train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from elastic_train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -86,6 +86,6 @@ def test_without_the_hf_extra_the_error_says_how_to_install_it(monkeypatch, bpe_
 
 def test_the_package_imports_without_the_hf_libraries():
     code = ("import sys; sys.modules['tokenizers'] = sys.modules['transformers'] = None; "
-            "import elastic_train.cli, elastic_train.prepare, elastic_train.tokenizer as t; "
+            "import elastic_train.cli, elastic_train.data.prepare, elastic_train.data.tokenizer as t; "
             "assert t.load_tokenizer(None).encode('a') == [97]")
     subprocess.run([sys.executable, "-c", code], check=True)

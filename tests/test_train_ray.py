@@ -13,10 +13,10 @@ from test_report import LEDGER_PARTS, check_png
 
 from elastic_train import load_config
 from elastic_train.api import TrainingFailed, train
-from elastic_train.checkpoint import read_shards
+from elastic_train.cluster.raycompat import committed_checkpoint_step
 from elastic_train.config import ConfigError
-from elastic_train.raycompat import committed_checkpoint_step
-from elastic_train.report import make_report
+from elastic_train.observe.report import make_report
+from elastic_train.training.checkpoint import read_shards
 
 pytestmark = pytest.mark.ray
 
@@ -30,7 +30,7 @@ def test_the_driver_starts_the_coordinator_ray_train_then_finds(ray_cluster):
         TrainAutoscalingCoordinatorClient,
     )
 
-    from elastic_train.nodewatch import COORDINATOR, start_coordinator
+    from elastic_train.cluster.nodewatch import COORDINATOR, start_coordinator
 
     assert start_coordinator()
     ours = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
@@ -129,7 +129,7 @@ def test_two_worker_run_trains_every_id_once_per_epoch(reference, small_dataset)
     for key in ("step", "epoch", "loss", "lr", "world_size", "real_tokens", "padded_tokens",
                 "step_time_s", "data_wait_s", "attempt"):
         assert key in rec
-    from elastic_train.prepare import inspect_dataset
+    from elastic_train.data.dataset import inspect_dataset
 
     rows = inspect_dataset(small_dataset).rows
     per_epoch = Counter()

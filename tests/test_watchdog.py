@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from elastic_train import load_config
-from elastic_train.api import nccl_env
-from elastic_train.watchdog import StepWatchdog, Verdict
+from elastic_train.cluster.driver import nccl_env
+from elastic_train.training.watchdog import StepWatchdog, Verdict
 
 pytestmark = pytest.mark.unit
 

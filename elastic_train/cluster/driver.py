@@ -1,0 +1,272 @@
+"""The driver's Ray objects: join or start Ray, the RunLog actor, and the TorchTrainer (scaling,
+failure, checkpoint and logging config) that runs `cluster/worker.py`'s train function."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+
+import ray
+import ray.data
+import ray.train
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from elastic_train.cluster.console import ray_train_logging
+from elastic_train.cluster.nodewatch import (
+    CheckpointBeforeGrow,
+    ElasticScalingPolicy,
+)
+from elastic_train.cluster.runlog import RunLog
+from elastic_train.cluster.worker import train_worker
+from elastic_train.config import Config
+from elastic_train.data.dataset import DatasetInfo, extra_columns, inspect_dataset
+from elastic_train.data.prepare import default_corpus_dir
+from elastic_train.observe.runfolder import run_uri
+from elastic_train.preflight.checks import (
+    IDENTITY_FILE,
+    data_identity,
+)
+from elastic_train.preflight.inputs import data_tables
+from elastic_train.training.losses import LossFn
+from elastic_train.training.model import ModelFn
+
+logger = logging.getLogger("elastic_train")
+
+
+def init_ray(cfg: Config) -> bool:
+    """Join the cluster of run.address / RAY_ADDRESS, or start a local one; True if started here.
+
+    A local cluster's every process gets RAY_ADDRESS set to it (its GCS port chosen here), so that
+    Ray's own helpers that look a cluster up (Train's placement-group cleaner, the state API)
+    find this one even when other Ray clusters run on the machine, and the driver's import path
+    (`driver_pythonpath`). Both through the environment the cluster's processes inherit, not a
+    job runtime_env: Ray prestarts worker processes without the job's runtime_env, and an actor
+    of a job that has one never uses them (our RunLog, Ray Train's controller and helpers would
+    each start a process of their own while two idle ones wait)."""
+    # The Train controller inherits these from the driver's environment.
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.scaling.health_check_interval_s)
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(
+        cfg.scaling.worker_group_start_timeout_s
+    )
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(cfg.scaling.preemption_poll_interval_s)
+    # A frozen worker (SIGSTOP, a machine stalled in swap) answers no health check: Ray declares it
+    # dead after this long (10 minutes by default), the same bound as a stuck collective. Ray's own
+    # barrier timeout (RAY_TRAIN_COLLECTIVE_TIMEOUT_S) stays off: ranks wait at ray.train.report
+    # while rank 0 writes a final checkpoint, which may rightly take longer.
+    os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.scaling.collective_timeout_s)
+    if ray.is_initialized():
+        return False
+    address = cfg.run.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        _check_cluster_gpus(cfg)
+        return False
+    workers_cpus = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
+    # Ray Data's read tasks need CPUs beyond the workers' or they wait forever.
+    num_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(workers_cpus) + 2)
+    for attempt in range(2):  # the chosen port may be taken before the GCS binds it
+        port = _free_port()
+        inherited = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"127.0.0.1:{port}",
+                     "PYTHONPATH": driver_pythonpath()}
+        try:
+            with _environ(inherited):
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=cfg.run.dashboard,
+                         dashboard_host="127.0.0.1")
+            return True
+        except (ConnectionError, RuntimeError):
+            if attempt:
+                raise
+            ray.shutdown()
+    return True
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """os.environ with `values` set, as it was again afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_cluster_gpus(cfg: Config) -> None:
+    """scaling.use_gpu on a cluster that has no GPU now: said before the trainer waits for one.
+    A warning, not an error: an autoscaler (cluster.yaml) may still be adding GPU nodes."""
+    if cfg.scaling.use_gpu and not ray.cluster_resources().get("GPU", 0):
+        logger.warning("scaling.use_gpu=true but the cluster has no GPU yet; the run waits until "
+                       "an autoscaler adds GPU nodes (or forever, if none will)")
+
+
+def ship_by_value(fn) -> None:
+    """Let Ray (cloudpickle) send a driver's function with its code, not as a reference to its
+    module, unless that module is installed (importable on every worker): a function defined in a
+    driver script, a test module or a folder only the driver sees then still runs on the workers."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__" or module.__name__.startswith("elastic_train"):
+        return  # __main__ goes by value anyway; ours is installed
+    file = getattr(module, "__file__", None) or ""
+    if "site-packages" in file or "dist-packages" in file:
+        return
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(module)
+
+
+def driver_pythonpath() -> str:
+    """The driver's import path for a local cluster's workers: its working folder, PYTHONPATH and
+    script folder, so that a model named by import path imports on the workers as it does here
+    (under `ray job submit`, the job's working directory does this)."""
+    entries = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    entries += [p for p in sys.path[:1] if p]  # the driver script's folder
+    return os.pathsep.join(dict.fromkeys(os.path.abspath(p) for p in entries if p))
+
+
+def nccl_env(cfg: Config) -> dict[str, str]:
+    """The workers' NCCL settings on a GPU run ({} on CPU): a timed-out collective aborts the
+    communicator and fails the attempt (instead of hanging in the kernel), and the flight recorder
+    keeps the last collectives of every rank, dumped on a timeout into the run folder's
+    `nccl_trace/rank_<N>` (for remote storage, a local folder on each node, named in the README)."""
+    if not cfg.scaling.use_gpu:
+        return {}
+    folder = run_uri(cfg)
+    if "://" in folder:
+        folder = os.path.join(tempfile.gettempdir(), "elastic_train", cfg.run.name)
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(folder, "nccl_trace", "rank_")}
+
+
+def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | None = None,
+                  loss_fn: LossFn | None = None, record: dict | None = None,
+                  verbose: bool = False, pg_cleaner: bool = True) -> TorchTrainer:
+    """`pg_cleaner=False`: without Ray's placement-group cleaner (see `Trainer`)."""
+    s = cfg.scaling
+    in_place = cfg.fault.recovery == "in_place"
+    tables = data_tables(cfg, info)
+    num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
+    resources = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
+    if s.use_gpu:
+        resources["GPU"] = 1
+    storage = cfg.run.storage_path
+    if "://" not in storage:
+        storage = os.path.abspath(os.path.expanduser(storage))
+    trainer = Trainer(
+        train_loop_per_worker=train_worker,
+        torch_config=torch_config(cfg),
+        train_loop_config={"config": cfg.to_dict(), "runlog": runlog,
+                           "block_table": tables.train, "eval_table": tables.eval,
+                           "extra_columns": extra_columns(info), "model_fn": model_fn,
+                           "loss_fn": loss_fn, "provenance": record or {}},
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
+            elastic_resize_monitor_interval_s=s.resize_monitor_interval_s,
+        ),
+        run_config=RunConfig(
+            name=cfg.run.name, storage_path=storage,
+            # in place, every replacement of a lost worker counts as a failure in Ray: unlimited
+            failure_config=FailureConfig(max_failures=-1 if in_place else s.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            logging_config=ray_train_logging(verbose),
+            worker_runtime_env={"env_vars": nccl_env(cfg)},
+        ),
+    )
+    trainer.pg_cleaner = pg_cleaner
+    trainer.runlog = None if in_place else runlog
+    return trainer
+
+
+def torch_config(cfg: Config) -> TorchConfig:
+    """Ray's process-group setup: one group of all workers (restart), or one per worker with a
+    torchft lighthouse (in_place: inplace.py)."""
+    s = cfg.scaling
+    if cfg.fault.recovery == "in_place":
+        from elastic_train.cluster.inplace_ray import torch_config as in_place_config
+
+        return in_place_config(cfg)
+    return TorchConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s)
+
+
+class Trainer(TorchTrainer):
+    """TorchTrainer that lets an elastic run's grow wait for a checkpoint, leaves out what a run
+    without Ray Train datasets does not use, and can leave out Ray's placement-group cleaner where
+    it cannot work.
+
+    `runlog` set: Ray's elastic scaling policy is replaced by `nodewatch.CheckpointBeforeGrow`
+    (through Ray 2.60's private `_initialize_and_run_controller`; tests/test_grow_hold.py fails if
+    it moves).
+
+    The cleaner (a detached actor) asks Ray's state API every second whether the controller is
+    alive, to remove the run's placement group after an ungraceful death. A local cluster without
+    the dashboard (`run.dashboard: false`) has no state API: the cleaner would only warn every
+    second ("Failed to query Ray Train Controller actor state"), and the run's `ray.shutdown`
+    removes the placement group anyway.
+
+    Ray Train's datasets callback starts a DatasetManager actor for every worker group, datasets
+    or none: a process whose start (~1.2 CPU-s) shares the cores with the workers' own on the path
+    to every attempt's first step. The workers read their shards themselves (blocks.py), so a
+    trainer without datasets (ours) leaves it out.
+
+    Both through Ray 2.60's private `_create_default_callbacks`; if it moves, the warnings and the
+    actor come back (tests/test_config.py names the callbacks it expects), nothing breaks."""
+
+    pg_cleaner = True
+    runlog = None  # an elastic run's RunLog: a grow waits for a checkpoint (nodewatch.CheckpointBeforeGrow)
+
+    def _create_default_callbacks(self):
+        unused = set() if self.datasets else {"DatasetsCallback"}
+        if not self.pg_cleaner:
+            unused.add("PlacementGroupCleanerCallback")
+        return [c for c in super()._create_default_callbacks() if type(c).__name__ not in unused]
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        policy = controller_init_kwargs["scaling_policy"]
+        if self.runlog is not None and type(policy) is ElasticScalingPolicy:
+            controller_init_kwargs["scaling_policy"] = CheckpointBeforeGrow(policy.scaling_config,
+                                                                            self.runlog)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+
+def start_runlog(cfg: Config):
+    node_id = ray.get_runtime_context().get_node_id()
+    return RunLog.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+    ).remote(run_uri(cfg), tensorboard=cfg.log.tensorboard)
+
+
+def save_config(cfg: Config, runlog) -> None:
+    """config.yaml is the resolved config; an earlier, different one is kept beside it."""
+    folder = ray.get(runlog.local_folder.remote())
+    path = os.path.join(folder, "config.yaml")
+    text = cfg.to_yaml()
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        if old != text:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            ray.get(runlog.write_file.remote(f"config.{stamp}.yaml", old))
+            logger.warning("run %s: config differs from the saved one; kept it as config.%s.yaml",
+                           cfg.run.name, stamp)
+    ray.get(runlog.write_file.remote("config.yaml", text))
+    path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
+    identity = data_identity(cfg, inspect_dataset(path))  # what check_resumable compares with
+    ray.get(runlog.write_file.remote(IDENTITY_FILE, json.dumps(identity, indent=2)))

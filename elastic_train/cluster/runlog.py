@@ -1,0 +1,269 @@
+"""The run folder's files, written by one small Ray actor that lives on the driver's node.
+
+Workers send it per-step metrics (rank 0) and consumed sample ids (every rank) as fire-and-forget
+calls, so the loop never waits for storage and never calls `ray.train.report` just to log. The
+actor appends to `metrics.jsonl` and `consumed/*.jsonl`, keeps `attempts.json` (the world size and
+start time of every attempt: restarts survive a driver restart too), and serves the latest state to
+the driver's progress display. For a remote `run.storage_path` (s3://, gs://, ...) it writes a local
+staging copy and uploads it on `flush`. It also exports the run's figures through Ray's metrics API
+(`raymetrics.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray
+
+from elastic_train.cluster.raymetrics import RunMetrics
+from elastic_train.observe.runfolder import split_uri
+from elastic_train.observe.tb import TensorBoardWriter
+from elastic_train.recovery.fence import end_process
+
+
+class RunFolder:
+    """Files of `<storage_path>/<name>/`; for remote storage through a local staging folder."""
+
+    def __init__(self, run_uri: str) -> None:
+        self.fs, self.remote_path, self.is_local = split_uri(run_uri)
+        if self.is_local:
+            self.local = Path(self.remote_path)
+        else:
+            self.local = Path(tempfile.mkdtemp(prefix="elastic-train-run-"))
+            self._download()
+        self.local.mkdir(parents=True, exist_ok=True)
+
+    def _download(self) -> None:
+        selector = pafs.FileSelector(self.remote_path, allow_not_found=True, recursive=True)
+        for info in self.fs.get_file_info(selector):
+            rel = os.path.relpath(info.path, self.remote_path)
+            if info.type == pafs.FileType.File and not rel.startswith("checkpoint"):
+                dest = self.local / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with self.fs.open_input_stream(info.path) as src:
+                    dest.write_bytes(src.read())
+
+    def path(self, name: str) -> Path:
+        return self.local / name
+
+    def append(self, name: str, lines: list[str]) -> None:
+        path = self.local / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+    def write(self, name: str, text: str) -> None:
+        path = self.local / name
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    def read_json(self, name: str, default: Any) -> Any:
+        path = self.local / name
+        return json.loads(path.read_text()) if path.is_file() else default
+
+    def sync(self) -> None:
+        """Upload the staging copy (remote storage only)."""
+        if not self.is_local:
+            self.fs.create_dir(self.remote_path, recursive=True)
+            pafs.copy_files(str(self.local), self.remote_path, destination_filesystem=self.fs)
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class RunLog:
+    """One per run; see the module docstring."""
+
+    def __init__(self, run_uri: str, flush_interval_s: float = 10.0, tensorboard: bool = False) -> None:
+        self.folder = RunFolder(run_uri)
+        self.tb = TensorBoardWriter(self.folder.local) if tensorboard else None
+        self.attempts: list[dict] = self.folder.read_json("attempts.json", [])
+        self.faults: dict[str, bool] = self.folder.read_json("faults.json", {})
+        self.latest: dict[str, Any] | None = None
+        self.latest_eval: dict[str, Any] | None = None
+        self.fatal: str | None = None
+        self.checkpoint_request: str | None = None  # the reason of a request no rank 0 took yet
+        self.tickets = {"asked": 0, "taken": 0, "done": 0}  # requests numbered: asked, taken, committed
+        self.group_token: str | None = None  # in-place recovery: the group start of the attempt
+        self.group_ready: set[int] = set()  # ... its workers ready for their first quorum
+        self.finished_step: int | None = None  # ... and where its training ended
+        self.replacements = 0  # ... and how many lost workers were replaced in place
+        self.replicas: dict[tuple[int, int], tuple[str, float]] = {}  # ... (rank, pid): (node, start)
+        self.last_logged: dict[str, tuple[int, int]] = {}  # ... "step"/"eval": its (attempt, step)
+        self.flush_interval_s = flush_interval_s
+        self._last_sync = time.time()
+        # The driver starts the RunLog as the fit starts; the run folder is `<storage>/<run.name>`.
+        self.metrics = RunMetrics(run_name=Path(self.folder.remote_path).name, start_time=time.time())
+
+    def begin_attempt(self, world_size: int) -> int:
+        """Record a new attempt (a start or restart of the worker group); return its index."""
+        self.attempts.append({"attempt": len(self.attempts), "world_size": world_size,
+                              "start_time": time.time()})
+        self.folder.write("attempts.json", json.dumps(self.attempts))
+        self.metrics.on_attempt(len(self.attempts) - 1, world_size)
+        return len(self.attempts) - 1
+
+    def begin_group_attempt(self, token: str, world_size: int) -> int:
+        """In-place recovery: every worker of a group start asks with the same token (inplace.py);
+        the first begins the attempt, the others get its index."""
+        if self.group_token != token:
+            self.group_token, self.finished_step, self.group_ready = token, None, set()
+            self.begin_attempt(world_size)
+        return len(self.attempts) - 1
+
+    def ready_in_group(self, token: str, world_rank: int) -> int:
+        """In-place recovery: a worker of a group start is ready for its first quorum; returns
+        how many are (they start together, or the first would train the run alone)."""
+        if self.group_token == token:
+            self.group_ready.add(world_rank)
+        return len(self.group_ready)
+
+    def join_attempt(self) -> int:
+        """In-place recovery: a replacement joins the current attempt (no restart)."""
+        self.replacements += 1
+        return max(len(self.attempts) - 1, 0)
+
+    def register_replica(self, world_rank: int, pid: int, node_id: str, process_start: float) -> None:
+        """In-place recovery: where a replica's process runs, should it have to be fenced."""
+        self.replicas[(world_rank, pid)] = (node_id, process_start)
+
+    def fence(self, world_rank: int, pid: int, missing_s: float) -> None:
+        """In-place recovery: end that replica's process, missing from every step for `missing_s`
+        (fence.py), by a task pinned to its node; the task logs the outcome."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from elastic_train.cluster.runlog import fence_task
+
+        record = {"event": "fenced", "rank": world_rank, "pid": pid, "missing_s": round(missing_s, 1)}
+        where = self.replicas.get((world_rank, pid))
+        if where is None:
+            self.log_event({**record, "outcome": "not fenced: unknown process"})
+            return
+        node_id, process_start = where
+        record["node_id"] = node_id
+        if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            self.log_event({**record, "outcome": "gone with its node"})
+            return
+        strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        fence_task.options(scheduling_strategy=strategy).remote(
+            pid, process_start, ray.get_runtime_context().current_actor, record)
+
+    def mark_finished(self, step: int) -> None:
+        self.finished_step = step if self.finished_step is None else max(self.finished_step, step)
+
+    def run_state(self) -> dict[str, Any]:
+        """The step the run finished at (None while it trains) and the latest logged step."""
+        return {"finished_step": self.finished_step, "replacements": self.replacements,
+                "latest_step": None if self.latest is None else self.latest["step"]}
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        self.latest = record
+        self._log_metrics(record)
+        self.metrics.on_step(record)
+
+    def log_committed(self, record: dict[str, Any], line: dict[str, Any] | None) -> None:
+        """In-place recovery: every participant of a committed step sends its record and, with
+        data.record_ids, a line of all its sample ids; the first is kept (within an attempt the
+        committed steps only go up), so a replica lost right after the step leaves no gap."""
+        if not self._first("step", record):
+            return
+        self.log_step(record)
+        if line is not None:
+            self.folder.append(f"consumed/attempt{record['attempt']:03d}-steps.jsonl", [json.dumps(line)])
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """An evaluation's record: in metrics.jsonl too, told apart by its `eval_loss`. In place,
+        every replica sends it: the first of each (attempt, step) is kept."""
+        if not self._first("eval", record):
+            return
+        self.latest_eval = record
+        self._log_metrics(record)
+
+    def _first(self, kind: str, record: dict[str, Any]) -> bool:
+        """True for the first record of its (attempt, step) of this kind: within an attempt the
+        steps only go up, so anything not past the last one logged was logged."""
+        key = (record["attempt"], record["step"])
+        if key <= self.last_logged.get(kind, (-1, -1)):
+            return False
+        self.last_logged[kind] = key
+        return True
+
+    def _log_metrics(self, record: dict[str, Any]) -> None:
+        self.folder.append("metrics.jsonl", [json.dumps(record)])
+        if self.tb is not None:
+            self.tb.write(record)
+        self._maybe_sync()
+
+    def log_consumed(self, world_rank: int, attempt: int, lines: list[dict[str, Any]]) -> None:
+        self.folder.append(f"consumed/attempt{attempt:03d}-rank{world_rank:03d}.jsonl",
+                           [json.dumps(line) for line in lines])
+
+    def log_event(self, record: dict[str, Any]) -> None:
+        self.folder.append("events.jsonl", [json.dumps({"time": time.time(), **record})])
+
+    def claim_fault(self, key: str) -> bool:
+        """True the first time `key` is claimed in this run folder: a fault fires once."""
+        if self.faults.get(key):
+            return False
+        self.faults[key] = True
+        self.folder.write("faults.json", json.dumps(self.faults))
+        return True
+
+    def request_checkpoint(self, reason: str) -> int:
+        """A resize is coming: rank 0 checkpoints at its next step. Returns the request's ticket,
+        done once rank 0 has committed a checkpoint it took the request for."""
+        self.checkpoint_request = reason
+        self.tickets["asked"] += 1
+        return self.tickets["asked"]
+
+    def take_checkpoint_request(self) -> str | None:
+        reason, self.checkpoint_request = self.checkpoint_request, None
+        if reason is not None:
+            self.tickets["taken"] = self.tickets["asked"]
+        return reason
+
+    def checkpoint_done(self, step: int) -> None:
+        """Rank 0 committed the requested checkpoint (of this step)."""
+        self.tickets["done"] = self.tickets["taken"]
+
+    def checkpoint_request_done(self, ticket: int) -> bool:
+        return self.tickets["done"] >= ticket
+
+    def set_fatal(self, message: str) -> None:
+        """A worker decided the run cannot go on (e.g. non-finite gradients after a rollback)."""
+        self.fatal = message
+        self.log_event({"event": "fatal", "message": message})
+
+    def progress(self) -> dict[str, Any]:
+        return {"latest": self.latest, "latest_eval": self.latest_eval, "attempts": self.attempts,
+                "fatal": self.fatal}
+
+    def local_folder(self) -> str:
+        return str(self.folder.local)
+
+    def write_file(self, name: str, text: str) -> None:
+        self.folder.write(name, text)
+
+    def _maybe_sync(self) -> None:
+        if not self.folder.is_local and time.time() - self._last_sync > self.flush_interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self.folder.sync()
+        self._last_sync = time.time()
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def fence_task(pid: int, process_start: float, runlog: Any, record: dict[str, Any]) -> None:
+    """`end_process` on the node it is pinned to; the outcome goes to the run's events."""
+    runlog.log_event.remote({**record, "outcome": end_process(pid, process_start)})
+
+
+def poll_progress(runlog) -> dict[str, Any]:
+    """The RunLog's progress record, for `observe.progress.Progress`."""
+    return ray.get(runlog.progress.remote(), timeout=10)

@@ -1,0 +1,502 @@
+"""The one seam between the training loop and Ray Train: `RayWorkerEnv`, and the worker entry.
+
+Everything the loop needs from the outside world goes through here: the device and ranks, the data
+rows of an epoch (the Ray Data shard), the latest checkpoint, saving one, logging (to the RunLog
+actor), and the fault-injection hooks that tests use.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import psutil
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from ray.train import Checkpoint
+from ray.train.v2.api.report_config import CheckpointUploadMode
+
+from elastic_train.cluster import raycompat
+from elastic_train.cluster.inplace_ray import GROUP_ENV, JOINING
+from elastic_train.config import ConfigError, FaultConfig, config_from_dict
+from elastic_train.data.rowgroups import BlockTable, DataError
+from elastic_train.observe.provenance import versions
+from elastic_train.training.checkpoint import BestCheckpointWriter, write_checkpoint
+from elastic_train.training.watchdog import StepWatchdog, Verdict
+
+CRASH_COMMIT_WAIT_S = 120.0  # fault hooks: the longest wait for a checkpoint's commit
+REQUEST_POLL_INTERVAL_S = 1.0  # how often rank 0 asks the RunLog whether a checkpoint is wanted
+REQUEST_COMMIT_WAIT_S = 60.0  # the longest rank 0 waits for Ray to commit a requested checkpoint
+LAST_EVENT_WAIT_S = 10.0  # the watchdog's wait for its event to be written before the process ends
+
+
+def _broadcast_from_rank0(value: Any) -> Any:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+class RayWorkerEnv:
+    """What `loop.train_loop` sees of Ray Train on one worker."""
+
+    def __init__(self, fault: FaultConfig, record_ids: bool, runlog, block_table: BlockTable,
+                 watchdog: StepWatchdog, extra_columns: tuple[str, ...] = (),
+                 eval_table: BlockTable | None = None, provenance: dict[str, Any] | None = None,
+                 startup: dict[str, float] | None = None) -> None:
+        ctx = ray.train.get_context()
+        # Only what the env itself acts on: the config reaches the loop one way, as its argument.
+        self.fault = fault  # test hooks
+        self.record_ids = record_ids  # data.record_ids: log each step's sample ids
+        self.runlog = runlog
+        self.block_table = block_table  # the data set's blocks; the loop reads its partitions'
+        self.eval_table = eval_table  # the held-out blocks (None: no evaluation)
+        self.startup = dict(startup or {})  # the loop adds its phases, rank 0 logs them
+        # the driver's record (data, tokenizer, git) with this worker's own library versions: a
+        # worker may run another image than the driver
+        driver = dict(provenance or {})
+        self.provenance = {**driver, "versions": versions(), "driver_versions": driver.get("versions")}
+        self.extra_columns = extra_columns  # data set columns beyond id/tokens/length, for the loss
+        self.world_rank = ctx.get_world_rank()
+        self.world_size = ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+        # Where this rank runs, on each event it logs: a slow or hung rank is named by its node,
+        # and a test finds the process to freeze by its pid.
+        self.whereabouts = {"rank": self.world_rank, "node": ray.util.get_node_ip_address(),
+                            "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        self.watchdog = watchdog
+        self.attempt = -1
+        self.last_saved_step = -1
+        self._nonfinite_pending: list[int] = []
+        self.fatal: str | None = None  # set when the run must stop (see handle_nonfinite)
+        self._held_request: str | None = None  # hold_for_resize: a request it took ...
+        self._request_granted = False  # ... whether this step's end saves a requested checkpoint
+        self._hold_at: int | None = None  # ... and the step after which it holds
+        self._request_ref = None  # checkpoint_requested: the RunLog call in flight ...
+        self._last_request_poll = -REQUEST_POLL_INTERVAL_S  # ... and when it was made
+        self._last_poll: float | None = None  # preemption_notice: when it last ran ...
+        self._step_intervals: deque[float] = deque(maxlen=8)  # ... and the times between
+        self._preemption_seen = None  # the drain notice already acted on ...
+        self._late_saved = False  # ... and whether its last checkpoint before the deadline was
+        self.group = os.environ.get(GROUP_ENV)  # in-place recovery: the group start's token, or JOINING
+        self.collective_timeout_s = watchdog.timeout_s  # in place: the group start's longest wait
+
+    # -- model, data, checkpoints --------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module,
+                      ddp_kwargs: dict[str, Any] | None) -> torch.nn.Module:
+        """Move to this worker's device; wrap in DDP with `ddp_kwargs` unless they are None (the
+        loop reduces gradients itself). Ray wraps nothing at world size 1."""
+        return ray.train.torch.prepare_model(model, parallel_strategy="ddp" if ddp_kwargs is not None
+                                             else None, parallel_strategy_kwargs=ddp_kwargs)
+
+    def latest_checkpoint_dir(self) -> str | None:
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        # Downloaded into a temporary folder named by the checkpoint: the local ranks of a node
+        # share one download (Ray's file lock), so a node reads the checkpoint once.
+        t0 = time.monotonic()
+        local = checkpoint.to_directory()
+        self.log_event({"event": "restore", "rank": self.world_rank,
+                        "node": ray.get_runtime_context().get_node_id(),
+                        "checkpoint": os.path.basename(checkpoint.path.rstrip("/")),
+                        "local_dir": local, "seconds": round(time.monotonic() - t0, 3)})
+        state_path = os.path.join(local, "state.json")
+        if os.path.exists(state_path):
+            import json
+
+            with open(state_path) as f:
+                self.last_saved_step = json.load(f)["train_state"]["step"]
+        return local
+
+    def save_checkpoint(self, snap: dict | None, step: int, final: bool) -> None:
+        """Every rank reports (a barrier) with its share of the checkpoint, written in the
+        background into the same checkpoint folder (`snap` None: this rank has no share)."""
+        if step == self.last_saved_step:
+            return
+        if snap is None:
+            self.last_saved_step = step
+            ray.train.report({"step": step})
+            return
+        previous, self.last_saved_step = self.last_saved_step, step
+        crash = (
+            self.fault.crash_in_checkpoint
+            and self.fault.crash_at_step == step
+            and self.world_rank == 0
+            and ray.get(self.runlog.claim_fault.remote(f"crash_in_checkpoint@{step}"))
+        )
+        checkpoint = Checkpoint.from_directory(tempfile.mkdtemp(prefix="elastic-train-ckpt-"))
+
+        def upload_fn(ckpt: Checkpoint, dir_name: str) -> Checkpoint:
+            if crash:  # the test hook dies mid-write once the checkpoint before is committed
+                self._wait_for_commit_then_log(previous, step, in_checkpoint=True)
+            write_checkpoint(snap, ckpt.path, crash_midway=crash)
+            storage = ray.train.get_context().get_storage()
+            return storage.persist_current_checkpoint(ckpt, dir_name)  # Ray deletes the local copy
+
+        ray.train.report(
+            {"step": step},
+            checkpoint=checkpoint,
+            checkpoint_dir_name=f"checkpoint_{step:09d}",
+            checkpoint_upload_mode=CheckpointUploadMode.SYNC if final else CheckpointUploadMode.ASYNC,
+            checkpoint_upload_fn=upload_fn,
+        )
+
+    def checkpoint_requested(self) -> bool:
+        """Rank 0 only, never blocking: is a resize coming, so that a checkpoint now saves work?
+
+        Either Ray announced that a node of this group is being drained (a spot reclaim or a
+        scale-down: `preemption_notice`), or the driver's node watcher asked (a node joined)."""
+        if self.world_rank != 0:
+            return False
+        if self._held_request:
+            reason, self._held_request = self._held_request, None
+            self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": reason})
+            self._request_granted = True
+            return True
+        notice = self.preemption_notice()
+        if notice:
+            self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": notice})
+            return True
+        ref = self._request_ref
+        if ref is None:
+            # At most one actor call a second, not one a step: a node joining waits that long more.
+            now = time.monotonic()
+            if now - self._last_request_poll < REQUEST_POLL_INTERVAL_S:
+                return False
+            self._last_request_poll = now
+            self._request_ref = self.runlog.take_checkpoint_request.remote()
+            return False
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return False
+        self._request_ref = None
+        reason = ray.get(ref)
+        if reason:
+            self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": reason})
+            self._request_granted = True
+        return bool(reason)
+
+    def preemption_notice(self) -> str | None:
+        """Why to checkpoint now because a node of this group is being drained; None otherwise.
+
+        Ray Train's PreemptionWatcher polls Ray's drain table (spot reclaims, scale-downs) and marks
+        every worker; the group keeps running until the drain deadline, then Ray restarts it
+        without that node. A new notice asks for a checkpoint at once; when the notice carries a
+        deadline, one more is asked for as late as is safe (three of the slowest recent step
+        times, a checkpoint's included, and 0.5 s before it),
+        so that at most a few steps are lost. This reads the mark where
+        `ray.train.get_preemption_info()` reads it, without that call's barrier across workers (an
+        actor round trip on every step): the step's own all-reduce spreads rank 0's answer.
+        Ray-internal; if a later Ray moves it, drains are not seen here and cost what a lost node
+        costs.
+        """
+        now = time.monotonic()
+        if self._last_poll is not None:  # once per step: the recent step times, checkpoints too
+            self._step_intervals.append(now - self._last_poll)
+        self._last_poll = now
+        try:
+            from ray.train.v2._internal.execution.context import get_train_context
+
+            info = get_train_context().preemption_context.preemption_info
+        except Exception:  # noqa: BLE001 - see the docstring
+            return None
+        if info is None:
+            return None
+        nodes = ", ".join(n[:12] for n in info.preempted_node_ids)
+        if info != self._preemption_seen:
+            self._preemption_seen, self._late_saved = info, False
+            return f"node(s) {nodes} draining (ranks {info.preempted_ranks}, deadline_ms {info.deadline_ms})"
+        if info.deadline_ms and not self._late_saved:
+            left = info.deadline_ms / 1000 - time.time()
+            if left < 3 * max(self._step_intervals, default=1.0) + 0.5:
+                self._late_saved = True
+                return f"node(s) {nodes} drained in {left:.1f} s: the last checkpoint before"
+        return None
+
+    def checkpoint_committed(self, step: int) -> None:
+        """Rank 0, after saving a requested checkpoint: wait until Ray has committed it, then say
+        so. A report that has returned is only queued: Ray commits it at the controller's next
+        poll, and a grow let through before that would restart from the checkpoint before."""
+        if self.world_rank != 0:
+            return
+        fs, run_path = raycompat.worker_run_folder()
+        committed = raycompat.wait_until_committed(fs, run_path, step, REQUEST_COMMIT_WAIT_S)
+        if committed is not None and committed >= step:
+            ray.get(self.runlog.checkpoint_done.remote(step))
+        else:  # the grow waiting for it goes ahead after its own wait (nodewatch.GrowHold)
+            self.log_event({"event": "checkpoint_not_committed", "step": step,
+                            "waited_s": REQUEST_COMMIT_WAIT_S})
+
+    # -- logging ---------------------------------------------------------------------------------
+    def begin_attempt(self) -> int:
+        if self.group is not None:  # in-place recovery: no collective across the replicas
+            w = self.whereabouts
+            ray.get(self.runlog.register_replica.remote(self.world_rank, w["pid"], w["node_id"],
+                                                        self.startup["process_start"]))
+            if self.joining:
+                self.attempt = ray.get(self.runlog.join_attempt.remote())
+                self.log_event({"event": "replacement_joined", "attempt": self.attempt})
+            else:
+                self.attempt = ray.get(self.runlog.begin_group_attempt.remote(self.group, self.world_size))
+                self._wait_for_group()
+            return self.attempt
+        attempt = None
+        if self.world_rank == 0:
+            attempt = ray.get(self.runlog.begin_attempt.remote(self.world_size))
+        self.attempt = _broadcast_from_rank0(attempt)
+        return self.attempt
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        self.runlog.log_step.remote(record)
+
+    def _wait_for_group(self) -> None:
+        """In place: the workers of a group start meet before their first quorum, or the first
+        one up would train alone (a quorum of one is valid) and the others start far behind.
+        Bounded by scaling.collective_timeout_s (a worker lost before it is ready)."""
+        deadline = time.monotonic() + self.collective_timeout_s
+        while ray.get(self.runlog.ready_in_group.remote(self.group, self.world_rank)) < self.world_size:
+            if time.monotonic() > deadline:
+                self.log_event({"event": "group_start_incomplete"})
+                return
+            time.sleep(0.05)
+
+    # -- in-place recovery (inplace.py) ----------------------------------------------------------
+    @property
+    def joining(self) -> bool:
+        """This worker replaces a lost replica of a running group."""
+        return self.group == JOINING
+
+    def run_finished(self) -> int | None:
+        return ray.get(self.runlog.run_state.remote())["finished_step"]
+
+    def latest_step(self) -> int | None:
+        return ray.get(self.runlog.run_state.remote())["latest_step"]
+
+    def mark_finished(self, step: int) -> None:
+        ray.get(self.runlog.mark_finished.remote(step))
+
+    @property
+    def fence_after_s(self) -> float:
+        """A replica missing this long is frozen (fence.py): by default, its own watchdog would
+        have ended it by then, and written its last event."""
+        if self.fault.fence_after_s is not None:
+            return self.fault.fence_after_s
+        return self.watchdog.timeout_s + LAST_EVENT_WAIT_S
+
+    def log_committed(self, record: dict[str, Any], ids: list[int] | None) -> None:
+        line = None
+        if ids is not None:
+            line = {"attempt": record["attempt"], "step": record["step"], "epoch": record["epoch"],
+                    "participants": record["world_size"], "ids": ids}
+        self.runlog.log_committed.remote(record, line)
+
+    def fence(self, world_rank: int, pid: int, missing_s: float) -> None:
+        self.runlog.fence.remote(world_rank, pid, missing_s)
+
+    def log_event(self, record: dict[str, Any]) -> Any:
+        return self.runlog.log_event.remote({**self.whereabouts, **record})
+
+    # -- the step watchdog (watchdog.py) ---------------------------------------------------------
+    def step_began(self, step: int) -> None:
+        self.watchdog.begin_step(step)
+
+    def step_ended(self, step_time_s: float | None) -> None:
+        self.watchdog.end_step(step_time_s)
+
+    def on_verdict(self, verdict: Verdict) -> None:
+        """Runs on the watchdog's thread: report a slow step; end the process on a timeout."""
+        record = {"step": verdict.step, "elapsed_s": round(verdict.elapsed_s, 3),
+                  "median_s": verdict.median_s}
+        if verdict.kind == "slow":
+            self.log_event({"event": "slow_step", **record})
+            return
+        try:  # the event first, if the RunLog takes it in time: it says why the attempt ended
+            ray.get(self.log_event({"event": "step_timeout", **record}), timeout=LAST_EVENT_WAIT_S)
+        finally:
+            os._exit(1)  # the main thread may be blocked for good: only ending the process is sure
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        self.runlog.log_eval.remote(record)
+
+    def best_writer(self) -> BestCheckpointWriter:
+        return BestCheckpointWriter(*raycompat.worker_run_folder())
+
+    def log_consumed(self, attempt: int, state, micro_batches) -> None:
+        if not self.record_ids:
+            return
+        ids = np.concatenate([mb.ids for mb in micro_batches]).tolist() if micro_batches else []
+        line = {"attempt": attempt, "rank": self.world_rank, "step": state.step,
+                "epoch": state.epoch if state.step_in_epoch else state.epoch - 1, "ids": ids}
+        self.runlog.log_consumed.remote(self.world_rank, attempt, [line])
+
+    # -- fault injection and the non-finite policy ----------------------------------------------
+    def inject_faults(self, step: int) -> None:
+        """The test hooks that act at the end of a step: a crash, a hang, a slow rank."""
+        f = self.fault
+        if f.slow_rank == self.world_rank:
+            time.sleep(f.slow_step_s)
+        if f.hold_for_resize_at_step is not None and self.world_rank == 0:
+            self._hold_for_resize(step, f.hold_for_resize_at_step)
+        if f.wait_for_replacement_at_step == step:
+            ray.get(self.log_event({"event": "waiting_for_replacement", "step": step}))
+            self.step_ended(None)  # a wait for an event, not a hang: out of the watchdog's sight
+            while not ray.get(self.runlog.run_state.remote())["replacements"]:
+                time.sleep(0.1)
+            self.step_began(step)
+        hang = f.hang_at_step == step and f.hang_rank == self.world_rank
+        if hang and ray.get(self.runlog.claim_fault.remote(f"hang@{step}")):
+            ray.get(self.log_event({"event": "hang_injected", "step": step}))
+            threading.Event().wait()  # a live process that never finishes its step
+        if f.crash_in_checkpoint or f.crash_in_eval or f.crash_at_step != step \
+                or f.crash_rank != self.world_rank:
+            return
+        if ray.get(self.runlog.claim_fault.remote(f"crash@{step}")):
+            self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False)
+            os._exit(1)
+
+    def _hold_for_resize(self, step: int, at: int) -> None:
+        """Test hook (fault.hold_for_resize_at_step): once a joining node's checkpoint request is
+        granted (this step's end saves and commits it), hold after the next step until Ray
+        replaces this group; if none is granted by step `at`, wait there for it. Once per run."""
+        granted, self._request_granted = self._request_granted, False
+        if step == self._hold_at and ray.get(self.runlog.claim_fault.remote(f"hold@{step}")):
+            ray.get(self.log_event({"event": "holding_for_resize", "step": step}))
+            threading.Event().wait()  # Ray ends this process when it restarts the group
+        if self._hold_at is not None:
+            return
+        if granted:
+            self._hold_at = step + 1
+        elif step == at and ray.get(self.runlog.claim_fault.remote(f"hold_wait@{step}")):
+            self.log_event({"event": "waiting_for_resize", "step": step})
+            # the regular poll's call may be in flight and take the request first: wait for it too
+            reason = ray.get(self._request_ref) if self._request_ref is not None else None
+            self._request_ref = None
+            while not reason:
+                time.sleep(0.1)
+                reason = ray.get(self.runlog.take_checkpoint_request.remote())
+            self._held_request = reason  # granted at the next step's start
+
+    def maybe_crash_in_eval(self, step: int) -> None:
+        """Test hook: die in the evaluation after step `crash_at_step` (after its first batch)."""
+        f = self.fault
+        if not f.crash_in_eval or f.crash_at_step != step or f.crash_rank != self.world_rank:
+            return
+        if ray.get(self.runlog.claim_fault.remote(f"crash_in_eval@{step}")):
+            self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False)
+            os._exit(1)
+
+    def _wait_for_commit_then_log(self, saved_step: int, step: int, in_checkpoint: bool) -> None:
+        """Before a test hook kills this process: wait (bounded) until the checkpoint saved last
+        (of `saved_step`) is committed, then log the committed step in `crash_injected`.
+
+        A checkpoint written in the background is committed only after the controller's next poll
+        (see raycompat); a crash before that resumes from the one before. Tests inject a crash to
+        check the resume from a known checkpoint, so the hook waits for it instead of racing it."""
+        fs, run_path = raycompat.worker_run_folder()
+        t0 = time.monotonic()
+        if saved_step > 0:
+            committed = raycompat.wait_until_committed(fs, run_path, saved_step, CRASH_COMMIT_WAIT_S)
+        else:
+            committed = raycompat.committed_step(fs, run_path)
+        waited_s = time.monotonic() - t0
+        record = {"event": "crash_injected", "step": step, "rank": self.world_rank,
+                  "in_checkpoint": in_checkpoint, "saved_step": saved_step,
+                  "committed_step": committed, "commit_wait_s": round(waited_s, 3)}
+        if saved_step > 0 and (committed is None or committed < saved_step):
+            record["commit_wait_timed_out"] = True  # crash anyway: the test will see it
+        ray.get(self.runlog.log_event.remote(record))
+
+    def maybe_poison_gradient(self, model: torch.nn.Module, step: int) -> None:
+        f = self.fault
+        if f.nan_at_step != step or f.nan_rank != self.world_rank:
+            return
+        if f.nan_repeat or ray.get(self.runlog.claim_fault.remote(f"nan@{step}")):
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+
+    def handle_nonfinite(self, step: int, micro_batches) -> None:
+        """Too many non-finite steps in a row: roll back once (restart from the last checkpoint);
+        the second time at the same step, stop the run naming the step and its sample ids.
+
+        Every rank calls this at the same step (the skip decision is all-reduced)."""
+        from elastic_train.training.collectives import gather_from_all
+        from elastic_train.training.step import NonFiniteError
+
+        mine = [int(i) for mb in micro_batches for i in mb.ids]
+        ids = sorted(i for rank_ids in gather_from_all(mine) for i in rank_ids)
+        first_time = None
+        if self.world_rank == 0:
+            first_time = ray.get(self.runlog.claim_fault.remote(f"rollback@{step}"))
+        first_time = _broadcast_from_rank0(first_time)
+        if first_time:
+            if self.world_rank == 0:
+                self.runlog.log_event.remote({"event": "rollback", "step": step})
+            raise NonFiniteError(f"non-finite gradients up to step {step}: rolling back")
+        shown = ids if len(ids) <= 256 else [*ids[:256], "..."]
+        message = (f"non-finite gradients at step {step} again after a rollback; the sample ids "
+                   f"of that step's batch ({len(ids)}, all ranks): {shown}")
+        if self.world_rank == 0:  # before any rank returns: the driver reads it after fit()
+            ray.get(self.runlog.set_fatal.remote(message))
+        self.fatal = message
+        raise NonFiniteError(message)
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    """Entry point of every Ray Train worker (`train_loop_per_worker`)."""
+    # Ray started this process, imported its modules and formed the process group before this.
+    startup = {"process_start": psutil.Process().create_time(), "train_fn_start": time.time()}
+    from elastic_train.cluster import raydata  # noqa: F401  (registers data.reader=ray_data)
+    from elastic_train.recovery.inplace import in_place_loop
+    from elastic_train.training.build import ModelTooLargeError
+    from elastic_train.training.loop import train_loop
+    from elastic_train.training.step import NonFiniteError
+
+    cfg = config_from_dict(config["config"])
+    if not cfg.scaling.use_gpu:
+        torch.set_num_threads(cfg.scaling.torch_threads)
+    _make_nccl_dump_folder()
+    # in place, one step may wait out three timeouts (its quorum, its all-reduce with a hung peer,
+    # the commit vote) before the survivors go on without the peer: only a step past them all is
+    # this worker's own hang
+    waits = 3 if cfg.fault.recovery == "in_place" else 1
+    watchdog = StepWatchdog(waits * cfg.scaling.collective_timeout_s, cfg.scaling.slow_step_factor)
+    env = RayWorkerEnv(cfg.fault, cfg.data.record_ids, config["runlog"], config["block_table"],
+                       watchdog, tuple(config["extra_columns"]), config.get("eval_table"),
+                       config.get("provenance"), startup)
+    if ray.get(config["runlog"].progress.remote())["fatal"]:
+        return  # an earlier attempt found what stops this run (see below)
+    watchdog.start(env.on_verdict)
+    try:
+        loop = in_place_loop if cfg.fault.recovery == "in_place" else train_loop
+        loop(cfg, env, config.get("model_fn"), config.get("loss_fn"))
+    except (ModelTooLargeError, DataError, ConfigError) as exc:
+        # A restart would fail the same way: the RunLog keeps the reason, which the driver reports
+        # as the failure; raising makes Ray stop the other ranks (which may wait in a collective),
+        # and the restarted group sees the reason and returns at once.
+        ray.get(env.runlog.set_fatal.remote(str(exc)))
+        raise
+    except NonFiniteError:
+        if env.fatal is None:
+            raise  # the first time: Ray restarts the group from the last checkpoint
+        # The run is over and the RunLog holds the reason, which the driver reports as the
+        # failure. Raising would only make Ray restart the group to fail the same way again
+        # (forever with scaling.max_failures=-1). No final checkpoint is saved.
+    finally:
+        watchdog.stop()
+
+
+def _make_nccl_dump_folder() -> None:
+    """NCCL's flight recorder writes its dump to TORCH_NCCL_DEBUG_INFO_TEMP_FILE + rank (set by the
+    driver on GPU runs, api.nccl_env) but does not create the folder."""
+    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if prefix:
+        os.makedirs(os.path.dirname(prefix), exist_ok=True)

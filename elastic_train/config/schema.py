@@ -1,0 +1,207 @@
+"""The configuration's tree: one dataclass per section, one comment per field.
+
+These comments are the configuration reference: `docs/configuration.md` is generated from them
+(`python -m elastic_train.config.reference`), and a test fails when it is out of date.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key, value or path at fault."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"  # run folder name under storage_path; the same name resumes that run
+    storage_path: str = "./runs"  # local folder or a pyarrow.fs URI (s3://, gs://, ...)
+    address: str | None = None  # Ray cluster to join; None: RAY_ADDRESS, else a new local cluster
+    num_cpus: int | None = None  # logical CPUs of a new local cluster; None: enough for workers + data
+    # a new local cluster only (both): its Ray dashboard at http://127.0.0.1:8265 (off: less CPU
+    # for Ray, and Ray Train's state API and dashboard pages are absent); and its Ray daemons and
+    # helper actors yield the CPU to the training processes (cpushare.py)
+    dashboard: bool = False
+    train_first: bool = True
+
+
+@dataclass
+class ScalingConfig:
+    min_workers: int = 2  # the run starts once this many workers fit
+    max_workers: int = 2  # and grows up to this many when the cluster has room
+    use_gpu: bool = False  # one GPU per worker, NCCL; False: CPU workers, gloo
+    max_failures: int = 3  # restarts allowed before the run fails (-1: unlimited)
+    cpus_per_worker: float = 1.0  # CPUs each worker reserves
+    resources_per_worker: dict[str, float] = field(default_factory=dict)  # extra Ray resources
+    health_check_interval_s: float = 0.2  # controller poll; ray.train.report waits for it
+    # give up reserving a group of this size after this long and decide again (not a failure); after
+    # a node loss the first restart may ask for the old size and wait this long: keep it short
+    worker_group_start_timeout_s: float = 15.0
+    resize_monitor_interval_s: float = 5.0  # how often an elastic run looks for room to grow
+    preemption_poll_interval_s: float = 1.0  # how often Ray looks for nodes being drained (spot notices)
+    torch_threads: int = 1  # intra-op threads per CPU worker
+    # a collective (all-reduce, barrier) that waits longer fails the attempt, so Ray restarts the
+    # group instead of idling every GPU for torch's default 30 minutes; also the longest a step may
+    # run (the step watchdog then ends that worker) and the longest a frozen worker may leave Ray's
+    # health check unanswered
+    collective_timeout_s: int = 300
+    slow_step_factor: float = 10.0  # a step this many times the recent median is reported (event)
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # folder of Parquet shards; None: the embedded stdlib corpus
+    seed: int = 0  # fixes the order of every epoch
+    record_ids: bool = False  # write consumed/*.jsonl: the sample ids of each (attempt, rank, step)
+    bucketing: bool = True  # length-bucketed batches; False: random batches (for comparison)
+    max_seq_len: int = 512  # longest row, in tokens; prepare splits longer documents
+    micro_batch_tokens: int = 2048  # padded tokens (rows x longest row) in one micro-batch
+    global_batch_tokens: int = 16384  # padded-token budget of one optimizer step, any world size
+    shuffle_window: int = 1024  # rows shuffled, sorted by length and bucketed together
+    prefetch_steps: int = 2  # steps assembled ahead of the loop by a background thread
+    pad_id: int | None = None  # token that pads rows; None: the data set's tokenizer pad id, else 0
+    reader: str = "pyarrow"  # pyarrow: each worker streams the shards itself; ray_data: Ray Data
+    # resuming a run whose data identity (path, seed, partitions, shards) differs from its
+    # checkpoint's: refuse | keep_position (resume at the saved (epoch, step) of the other data)
+    on_change: str = "refuse"
+
+
+@dataclass
+class ModelConfig:
+    # gpt: the embedded byte-level GPT | hf: a transformers causal LM from `path` |
+    # "package.module:function": called with vocab_size, max_seq_len and `kwargs`, returns an nn.Module
+    name: str = "gpt"
+    path: str | None = None  # hf: folder (or pyarrow.fs URI) with config.json, weights optional
+    kwargs: dict[str, Any] = field(default_factory=dict)  # import path: extra keyword arguments
+    vocab_size: int | None = None  # None: the data set's tokenizer size (256 for bytes)
+    gradient_checkpointing: bool = False  # recompute activations in backward (non-reentrant)
+    trust_remote_code: bool = False  # hf: run the model's own code from `path`
+    n_layer: int = 2  # gpt only, like the three below
+    n_head: int = 4
+    d_model: int = 128
+    dropout: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300  # stop after this many optimizer steps ...
+    epochs: int = 1  # ... or after this many passes over the data, whichever comes first
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16: GPU only)
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    seed: int = 0  # model initialisation
+    max_consecutive_skips: int = 3  # non-finite steps in a row before rolling back
+    compile: bool = False  # torch.compile the model
+    # exact: sum micro-batch gradients and all-reduce them in float64, so a step's gradient is the
+    # same to the bit at any world size (8 bytes/param more memory, twice the all-reduce bytes);
+    # ddp: torch DDP (fp32, overlaps the last backward), curves differ by fp32 round-off across sizes;
+    # auto: ddp on GPU workers, exact on CPU workers and with `deterministic`. Chosen once, at the
+    # run's first start, and kept in its checkpoints (see `choose_grad_reduce`)
+    grad_reduce: str = "auto"
+    # torch.use_deterministic_algorithms (and CUBLAS_WORKSPACE_CONFIG on GPU): the same result on
+    # every run, at the cost of slower kernels (or an error for an op that has no deterministic
+    # form); makes `auto` choose exact
+    deterministic: bool = False
+    # ddp only: DDP communication hook. fp16 | bf16: all-reduce gradients in half precision (half
+    # the bytes); powersgd: low-rank compression with error feedback (Vogels et al. 2019)
+    grad_compression: str = "none"
+    powersgd_rank: int = 2  # powersgd: rank of each gradient matrix's approximation
+    # powersgd: plain all-reduce for this many steps first (also after a resize); >= 2, and no fewer
+    # than optim.warmup_steps is a good rule (torch's PowerSGD docs)
+    powersgd_warmup_steps: int = 20
+    ddp_bucket_mb: float = 25.0  # ddp only: gradient bucket size; one all-reduce per bucket
+    # ddp only: gradients are views into DDP's buckets (saves one gradient-sized copy: 4 bytes/param)
+    # (DDP's static_graph is not offered: torch 2.13 fails an internal assert when the first step
+    # accumulates under no_sync, which any step with more micro-batches than ranks does)
+    gradient_as_bucket_view: bool = False
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | adamw8bit
+    lr: float = 3e-3  # peak learning rate
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 20  # linear warmup, then cosine decay to min_lr_ratio * lr at max_steps
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class EvalConfig:
+    # held-out data: a prepared data set of its own, or this share of data.path's blocks (whole
+    # Parquet row groups, picked by a salted hash of their file and row group) never trained on
+    path: str | None = None
+    fraction: float = 0.0
+    every_steps: int = 0  # evaluate after every N steps (0: only at the end) and at the end
+    max_batches: int | None = None  # bound an evaluation to its first N global batches
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 50  # 0: only at the end
+    keep: int = 2  # newest complete checkpoints kept
+    keep_best: bool = False  # also keep the checkpoint of the lowest eval loss (best_checkpoint/)
+
+
+@dataclass
+class FaultConfig:
+    # after a worker dies: restart (Ray restarts the whole group from the last committed
+    # checkpoint; resizes too) | in_place (torchft: the others train on at once, taking over its
+    # data partitions; Ray replaces it and it heals from a live peer; fixed worker count)
+    recovery: str = "restart"
+    # in place: a replica missing from every step this long is frozen (SIGSTOP, a stalled machine)
+    # and its process is ended by a task on its node (fence.py); None: its own step watchdog's
+    # deadline (3 x scaling.collective_timeout_s) + 10 s, when a process that can run has ended itself
+    fence_after_s: float | None = None
+    crash_at_step: int | None = None  # test hook: that rank's process dies hard once at this step
+    crash_rank: int = 0
+    crash_in_checkpoint: bool = False  # die in the middle of writing the checkpoint of that step
+    nan_at_step: int | None = None  # test hook: poison one rank's gradient at this step
+    nan_rank: int = 0
+    nan_repeat: bool = False  # poison it on every attempt (tests rollback, then failure)
+    crash_in_eval: bool = False  # die in the middle of the evaluation after crash_at_step
+    hang_at_step: int | None = None  # test hook: that rank's step blocks forever, once, at this step
+    hang_rank: int = 0
+    slow_rank: int | None = None  # test hook: this rank sleeps slow_step_s in every step
+    slow_step_s: float = 0.0
+    # test hook (an elastic run's grow, without a race against the run's end): rank 0 waits after
+    # this step until a joining node asks for a checkpoint, takes it after the next step, then
+    # holds a step later until Ray replaces the group at its new size
+    hold_for_resize_at_step: int | None = None
+    # test hook (in place: a replacement that surely joins before the run ends): a rank that ends
+    # this step waits until a replacement has joined the run (a lost rank never gets there, and
+    # a replacement heals to the survivors' step and goes on from the next)
+    wait_for_replacement_at_step: int | None = None
+
+
+@dataclass
+class LogConfig:
+    print_every_steps: int = 10  # a progress line every N steps when not on a terminal
+    progress: str = "auto"  # auto | bar | lines | none
+    tensorboard: bool = False
+    peak_flops: float = 1e12  # per worker, for the MFU estimate
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)

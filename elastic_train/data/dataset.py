@@ -1,0 +1,225 @@
+"""A prepared data set as the trainer sees it: a folder of Parquet shards (local or any pyarrow.fs
+URI) with `id`, `tokens`, `length`, and `_prepare.json` beside them saying how it was made.
+
+`inspect_dataset` reads footers and `_prepare.json` only (never `tokens`); `dataset_blocks`
+lists its row groups as the blocks the workers read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from elastic_train.data.rowgroups import BlockTable, build_block_table
+from elastic_train.data.tokenizer import BYTE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer
+
+REQUIRED_COLUMNS = ("id", "tokens", "length")
+
+
+STATS_FILE = "_prepare.json"
+
+
+TOKENIZER_DIR = "tokenizer"  # the copy of the tokenizer, beside the shards
+
+
+INT16_MAX = int(np.iinfo(np.int16).max)
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What `inspect_dataset` learned about a folder of Parquet shards. The tokenizer fields
+    come from `_prepare.json`; they are None for data sets made by other tools."""
+
+    path: str  # normalized path inside `filesystem` (absolute for local folders)
+    filesystem: pafs.FileSystem  # the pyarrow filesystem that holds `files`
+    files: list[str]  # the shards, sorted by name, as paths inside `filesystem`
+    rows: int  # total rows over all shards
+    max_length: int  # largest value of the `length` column
+    vocab_size: int | None = None  # the tokenizer's vocabulary size (256 for bytes)
+    max_token_id: int | None = None  # the largest token id written
+    eos_id: int | None = None  # end-of-document id appended after each document, if any
+    pad_id: int | None = None  # the tokenizer's padding id, if it has one
+    tokenizer_kind: str | None = None  # "bytes" | "hf"
+    tokenizer_path: str | None = None  # the tokenizer copy folder inside `filesystem`, if any
+    columns: tuple[str, ...] = ()  # the columns every shard has, in the first shard's order
+
+
+def _resolve_dataset_path(path: str) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and the path inside it, for a URI or a plain local path."""
+    if "://" in path:
+        try:
+            return pafs.FileSystem.from_uri(path)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
+            raise ValueError(f"dataset path '{path}' is not a URI pyarrow can open: {exc}") from exc
+    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+
+
+def _list_parquet_files(fs: pafs.FileSystem, root: str, shown: str) -> list[str]:
+    """The .parquet files in folder `root` (or `root` itself if it is one), sorted by name."""
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.NotFound:
+        raise ValueError(f"dataset path '{shown}' does not exist")
+    if info.type == pafs.FileType.File:
+        entries = [info]
+    else:
+        entries = fs.get_file_info(pafs.FileSelector(root, recursive=False))
+    files = [entry.path for entry in entries
+             if entry.type == pafs.FileType.File and entry.base_name.endswith(".parquet")]
+    if not files:
+        raise ValueError(f"dataset path '{shown}' contains no .parquet files")
+    return sorted(files, key=lambda file: file.rsplit("/", 1)[-1])
+
+
+def _check_schema(schema: pa.Schema, file: str) -> None:
+    """Raise ValueError naming `file` if the required columns are missing or mistyped."""
+    missing = [name for name in REQUIRED_COLUMNS if name not in schema.names]
+    if missing:
+        raise ValueError(f"dataset file '{file}' is missing required column(s) "
+                         f"{', '.join(missing)} (it has: {', '.join(schema.names)})")
+    length_type = schema.field("length").type
+    if not pa.types.is_integer(length_type):
+        raise ValueError(f"dataset file '{file}': column 'length' must be an integer type, "
+                         f"not {length_type}")
+
+
+def _max_length(parquet: pq.ParquetFile) -> int:
+    """Largest `length` in a file: from row-group statistics, else reading that column only."""
+    metadata = parquet.metadata
+    best = 0
+    for group in range(metadata.num_row_groups):
+        row_group = metadata.row_group(group)
+        if row_group.num_rows == 0:
+            continue
+        columns = [row_group.column(i) for i in range(row_group.num_columns)]
+        column = next(c for c in columns if c.path_in_schema == "length")
+        stats = column.statistics
+        if stats is None or not stats.has_min_max:
+            lengths = parquet.read_row_group(group, columns=["length"]).column("length")
+            best = max(best, pc.max(lengths).as_py() or 0)
+        else:
+            best = max(best, int(stats.max))
+    return best
+
+
+def _int_or_none(mapping: dict, key: str) -> int | None:
+    """`mapping[key]` if it is an integer or null/absent; else ValueError naming the key."""
+    value = mapping.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ValueError(f"'{key}' is {value!r}, not an integer")
+    return value
+
+
+def _recorded_tokenizer(fs: pafs.FileSystem, root: str) -> dict:
+    """DatasetInfo's tokenizer fields, from `_prepare.json` and `tokenizer/` in folder `root`
+    (all None without `_prepare.json`). ValueError naming `_prepare.json` if it is corrupt."""
+    fields = dict.fromkeys(("vocab_size", "max_token_id", "eos_id", "pad_id", "tokenizer_kind",
+                            "tokenizer_path"))
+    stats_path = f"{root}/{STATS_FILE}"
+    if fs.get_file_info(stats_path).type != pafs.FileType.File:
+        return fields
+    try:
+        with fs.open_input_stream(stats_path) as handle:
+            stats = json.loads(handle.read())
+        if not isinstance(stats, dict):
+            raise ValueError("it is not a JSON object")
+        # Versions before tokenizers wrote no `tokenizer` section: their tokens were bytes.
+        section = stats.get("tokenizer", {"kind": "bytes", "vocab_size": BYTE_VOCAB})
+        if not isinstance(section, dict) or not isinstance(section.get("kind"), str):
+            raise ValueError(f"'tokenizer' is {section!r}, not an object with a 'kind'")
+        fields.update(vocab_size=_int_or_none(section, "vocab_size"),
+                      eos_id=_int_or_none(section, "eos_id"),
+                      pad_id=_int_or_none(section, "pad_id"),
+                      max_token_id=_int_or_none(stats, "max_token_id"),
+                      tokenizer_kind=section["kind"])
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"dataset file '{stats_path}' is corrupt: {exc}") from exc
+    copy = f"{root}/{TOKENIZER_DIR}"
+    if fs.get_file_info(copy).type == pafs.FileType.Directory:
+        fields["tokenizer_path"] = copy
+    return fields
+
+
+def inspect_dataset(path: str) -> DatasetInfo:
+    """Check a folder of Parquet shards (local, or any URI pyarrow.fs understands), count its
+    rows and longest sample from metadata, never reading `tokens`, and read what
+    `_prepare.json` records of its tokenizer.
+
+    Raises ValueError naming the path if it does not exist, holds no .parquet files, lacks
+    the `id`, `tokens` or `length` columns, has a non-integer `length`, or has no rows, and
+    naming `_prepare.json` if that is corrupt.
+    """
+    fs, root = _resolve_dataset_path(str(path))
+    files = _list_parquet_files(fs, root, str(path))
+    rows, max_length = 0, 0
+    columns: list[str] | None = None
+    for file in files:
+        try:
+            with fs.open_input_file(file) as handle:
+                parquet = pq.ParquetFile(handle)
+                schema = parquet.schema_arrow
+                _check_schema(schema, file)
+                rows += parquet.metadata.num_rows
+                max_length = max(max_length, _max_length(parquet))
+                columns = [name for name in columns or schema.names if name in schema.names]
+        except (pa.ArrowException, OSError) as exc:  # truncated, not Parquet, unreadable
+            detail = " ".join(str(exc).split())
+            raise ValueError(f"dataset file '{file}' is not a readable Parquet file: {detail}") from None
+    if rows == 0:
+        raise ValueError(f"dataset '{path}' is empty: its Parquet files hold no rows")
+    is_folder = fs.get_file_info(root).type == pafs.FileType.Directory
+    recorded = _recorded_tokenizer(fs, root) if is_folder else {}
+    return DatasetInfo(path=root, filesystem=fs, files=files, rows=rows, max_length=max_length,
+                       columns=tuple(columns or ()), **recorded)
+
+
+def load_dataset_tokenizer(info: DatasetInfo) -> Tokenizer:
+    """The tokenizer a data set was prepared with: its `tokenizer/` copy (copied to a
+    temporary folder first when the data set is not on the local filesystem), else bytes.
+
+    Raises ValueError if `_prepare.json` names a tokenizer other than bytes but the copy is
+    missing, or the copy does not load."""
+    label = f"the tokenizer of dataset '{info.path}'"
+    if info.tokenizer_path is None:
+        if info.tokenizer_kind not in (None, "bytes"):
+            raise ValueError(f"dataset '{info.path}' was prepared with a {info.tokenizer_kind} "
+                             f"tokenizer, but its copy '{TOKENIZER_DIR}/' is missing")
+        return ByteTokenizer()
+    if isinstance(info.filesystem, pafs.LocalFileSystem):
+        return load_tokenizer(info.tokenizer_path, label=label)
+    with tempfile.TemporaryDirectory(prefix="elastic_train-tokenizer-") as scratch:
+        pafs.copy_files(info.tokenizer_path, scratch, source_filesystem=info.filesystem,
+                        destination_filesystem=pafs.LocalFileSystem())
+        return load_tokenizer(scratch, label=label)
+
+
+def dataset_blocks(info: DatasetInfo) -> BlockTable:
+    """The data set's blocks (row groups), from the Parquet footers; workers open `_uri`s."""
+    return build_block_table(info.filesystem, info.files, [_uri(info, f) for f in info.files])
+
+
+def extra_columns(info: DatasetInfo) -> tuple[str, ...]:
+    """Numeric columns of the data set beyond id/tokens/length (e.g. `label`): they reach the
+    loss in the batch. `source` and `offset` (written by prepare) are left out."""
+    with info.filesystem.open_input_file(info.files[0]) as f:
+        schema = pq.read_schema(f)
+    def numeric(t) -> bool:
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            t = t.value_type
+        return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+    skip = {"id", "tokens", "length", "source", "offset"}
+    return tuple(f.name for f in schema if f.name not in skip and numeric(f.type))
+
+
+def _uri(info: DatasetInfo, path: str) -> str:
+    """A shard's path as workers on any node open it (pyarrow.fs URI for remote storage)."""
+    if isinstance(info.filesystem, pafs.LocalFileSystem):
+        return path
+    return f"{info.filesystem.type_name}://{path}"

@@ -1,0 +1,220 @@
+"""Turn text into Parquet shards of tokens, and check such shards.
+
+A prepared dataset is a folder of `part-NNNNN.parquet` files with the columns
+`id` (int64, unique, 0..N-1), `tokens` (list<int16>, or list<int32> when the tokenizer's ids do
+not fit int16), `length` (int32), plus `source` (the input file a row came from) and `offset`
+(where the row starts in that file's token stream: its documents' tokens in order, each with
+the tokenizer's EOS after it; for bytes without a tokenizer, the byte offset in the file), so
+that every token of the input can be traced to exactly one row. Beside the shards,
+`_prepare.json` records the counts, the tokenizer ({kind, vocab_size, eos_id, pad_id}) and
+`max_token_id`, and `tokenizer/` holds a copy of the tokenizer (absent for bytes).
+
+Inputs are text files, JSONL and Parquet files, or folders of them (see `sources`). Without a
+tokenizer the tokens are UTF-8 bytes (vocabulary 256, no EOS). With one, each document (a
+Python definition or paragraph of a text file, a JSONL or Parquet record) is tokenized and
+the EOS appended, so documents never run together and sampling knows where to stop. Rows
+hold at most `max_seq_len` tokens, and are shuffled, so that neither file order nor position
+in a file correlates with shard order. All token ids are held in memory for that shuffle
+(1 byte a token for bytes, 4 otherwise); Parquet inputs are read in batches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from elastic_train.data.dataset import INT16_MAX, STATS_FILE, TOKENIZER_DIR
+from elastic_train.data.sources import (
+    PathLike,
+    collect_input_files,
+    gather_rows,
+    no_text_message,
+    warn_skipped,
+)
+from elastic_train.data.tokenizer import Tokenizer, load_tokenizer
+
+# Rows per Parquet row group: the unit a training rank reads alone (blocks.py). Small enough that
+# every data partition gets many, large enough that a footer stays small.
+ROWS_PER_BLOCK = 128
+DEFAULT_CORPUS_BYTES = 4_000_000
+# Part of the default corpus's cache folder name: bump it whenever the files chosen, the way
+# they are cut or what `_prepare.json` records changes, so that a corpus cached by an older
+# version is not reused.
+CORPUS_FORMAT = 4
+# Folders of the standard library left out of the default corpus: tests, GUI code, vendored
+# or generated data tables, and third-party packages that happen to live next to it.
+STDLIB_EXCLUDED_DIRS = frozenset({
+    "test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "tkinter",
+    "turtledemo", "ensurepip", "pydoc_data", "encodings", "lib-dynload", "__pycache__",
+    "__phello__", "venv",
+})
+logger = logging.getLogger("elastic_train.prepare")
+
+
+def _shard_table(first_id: int, spans: np.ndarray, values: np.ndarray, names: list[str],
+                 token_type: np.dtype) -> pa.Table:
+    """Build one shard's table from its rows of `gather_rows` spans, ids from `first_id`."""
+    lengths = (spans[:, 3] - spans[:, 2]).astype(np.int32)
+    offsets = np.zeros(len(spans) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.concatenate([values[start:end] for start, end in spans[:, 2:4]])
+    return pa.table({
+        "id": pa.array(np.arange(first_id, first_id + len(spans), dtype=np.int64)),
+        "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(tokens.astype(token_type))),
+        "length": pa.array(lengths),
+        "source": pa.array([names[index] for index in spans[:, 0]], type=pa.string()),
+        "offset": pa.array(spans[:, 1]),
+    })
+
+
+def _tokenizer_record(tokenizer: Tokenizer) -> dict:
+    """The `tokenizer` section of `_prepare.json`."""
+    return {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size),
+            "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id}
+
+
+def prepare(
+    inputs: Sequence[PathLike],
+    output: PathLike,
+    *,
+    max_seq_len: int = 256,
+    rows_per_shard: int = 20000,
+    rows_per_block: int = ROWS_PER_BLOCK,
+    seed: int = 0,
+    tokenizer: Tokenizer | PathLike | None = None,
+    text_field: str = "text",
+) -> dict:
+    """Turn text files, JSONL and Parquet files, or folders of them, into shuffled Parquet
+    shards of tokens (a folder of Parquet that is tokenized already, with id/tokens/length and
+    no text column, is only re-chunked into `rows_per_block`-row groups: `rechunk.py`): UTF-8
+    bytes, or `tokenizer`'s (a Tokenizer, or a path `load_tokenizer`
+    loads) with its EOS after each document. `text_field` names the text of JSONL/Parquet.
+
+    Writes `output/tokenizer/` (unless bytes), `output/part-NNNNN.parquet`, then
+    `output/_prepare.json`, and returns the stats written there. Text files that look binary
+    are skipped with a warning that counts them. Raises ValueError naming the culprit if the
+    tokenizer does not load, an input is missing or malformed, no text is found, or `output`
+    is empty or already contains Parquet files.
+    """
+    if rows_per_block < 1:
+        raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
+    if max_seq_len < 1 or rows_per_shard < 1:
+        raise ValueError(f"max_seq_len ({max_seq_len}) and rows_per_shard ({rows_per_shard}) "
+                         "must both be at least 1")
+    if seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {seed}")
+    if not str(output).strip():
+        raise ValueError("--output: an empty path")
+    out = Path(output)
+    _check_output_free(out)
+    from elastic_train.data.rechunk import is_token_dataset, rechunk
+
+    if is_token_dataset(inputs, text_field):  # tokenized already: only new row groups
+        return rechunk(inputs[0], out, rows_per_block)
+    if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
+        tokenizer = load_tokenizer(tokenizer)
+    skipped: list[tuple[Path, str]] = []
+    files = collect_input_files(inputs, skipped)
+    values, spans = gather_rows(files, tokenizer, max_seq_len, text_field)
+    if len(spans) == 0:
+        raise ValueError(no_text_message(inputs, skipped))
+    warn_skipped(skipped)
+    spans = spans[np.random.default_rng(seed).permutation(len(spans))]
+    max_token_id = int(values.max())
+    widest = max(int(tokenizer.vocab_size) - 1, max_token_id)
+    token_type = np.dtype(np.int16 if widest <= INT16_MAX else np.int32)
+    names = [str(file) for file in files]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"output '{out}' cannot be created: {exc.strerror or exc}") from None
+    if tokenizer.kind != "bytes":
+        tokenizer.save(out / TOKENIZER_DIR)
+    starts = range(0, len(spans), rows_per_shard)
+    for shard, first in enumerate(starts):
+        table = _shard_table(first, spans[first:first + rows_per_shard], values, names, token_type)
+        pq.write_table(table, out / f"part-{shard:05d}.parquet", row_group_size=rows_per_block)
+    stats = {
+        "rows": len(spans),
+        "tokens": int(values.size),
+        "max_seq_len": max_seq_len,
+        "shards": len(starts),
+        "source_files": len(files),
+        "skipped_binary_files": len(skipped),
+        "tokenizer": _tokenizer_record(tokenizer),
+        "max_token_id": max_token_id,
+        "token_type": token_type.name,
+    }
+    (out / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+    return stats
+
+
+def _check_output_free(output: Path) -> None:
+    """Refuse an output that is a file or already holds Parquet data."""
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"output '{output}' exists and is not a folder")
+    if output.is_dir() and any(output.glob("*.parquet")):
+        raise ValueError(f"output '{output}' already contains Parquet files; refusing to overwrite")
+
+
+def stdlib_source_files(max_total_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
+    """A deterministic subset of the standard library's .py files: sorted by path, tests and
+    GUI code left out, taken in order until about `max_total_bytes` of text."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    candidates = []
+    for folder, dirnames, filenames in os.walk(root):
+        dirnames[:] = [name for name in dirnames
+                       if name not in STDLIB_EXCLUDED_DIRS and not name.startswith(".")]
+        for name in filenames:
+            # _sysconfigdata holds this machine's build paths: leave it out so the corpus
+            # is the same on every install of one Python version.
+            if name.endswith(".py") and not name.startswith(("test_", "_sysconfigdata")):
+                candidates.append(Path(folder, name))
+    candidates.sort(key=lambda path: path.relative_to(root).as_posix())
+    chosen, total = [], 0
+    for path in candidates:
+        if total >= max_total_bytes:
+            break
+        chosen.append(path)
+        total += path.stat().st_size
+    return chosen
+
+
+def default_corpus_dir(max_seq_len: int = 256, cache_root: PathLike | None = None) -> Path:
+    """The embedded default corpus, prepared once from standard library source and cached.
+
+    The cache folder is `<root>/stdlib-<max_seq_len>-<python version>-v<CORPUS_FORMAT>`, root
+    `cache_root`, else $ELASTIC_TRAIN_CACHE, else ~/.cache/elastic_train. It is prepared in a
+    temporary folder next to it and renamed into place, so it is either whole or absent;
+    when concurrent processes race, the first rename wins and the others use its result.
+    """
+    root = Path(cache_root or os.environ.get("ELASTIC_TRAIN_CACHE")
+                or Path.home() / ".cache" / "elastic_train").expanduser()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    final = root / f"stdlib-{max_seq_len}-{version}-v{CORPUS_FORMAT}"
+    if (final / STATS_FILE).is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        prepare(stdlib_source_files(), scratch, max_seq_len=max_seq_len)
+        os.rename(scratch, final)
+    except OSError as exc:
+        if not (final / STATS_FILE).is_file():
+            raise ValueError(f"could not create the default corpus at '{final}': {exc}") from exc
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return final
+
+

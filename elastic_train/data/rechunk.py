@@ -1,0 +1,59 @@
+"""Re-chunk a data set that is already tokenized (e.g. Parquet written by another tool, with a few
+huge row groups) into row groups of `rows_per_block` rows, the unit a training rank reads alone.
+
+`elastic-train prepare FOLDER --output NEW --rows-per-block N`, where FOLDER holds Parquet shards
+with `id`, `tokens` and `length` columns (and no text column), lands here: every column and every
+id is kept, one output shard per input shard, streamed a record batch at a time (bounded memory).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from elastic_train.data.dataset import STATS_FILE, TOKENIZER_DIR, inspect_dataset
+
+
+def is_token_dataset(inputs, text_field: str) -> bool:
+    """One input, a local folder (or file) of Parquet with id/tokens/length and no text column."""
+    if len(inputs) != 1:
+        return False
+    path = Path(inputs[0])
+    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    if not files or not all(f.suffix == ".parquet" and f.is_file() for f in files):
+        return False
+    names = pq.read_schema(files[0]).names
+    return {"id", "tokens", "length"} <= set(names) and text_field not in names
+
+
+def rechunk(source: str | Path, output: str | Path, rows_per_block: int) -> dict:
+    """Write `source`'s shards again with row groups of `rows_per_block` rows; the stats."""
+    info = inspect_dataset(str(source))
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = 0
+    max_token_id = -1
+    for i, file in enumerate(info.files):
+        pf = pq.ParquetFile(file)
+        with pq.ParquetWriter(out / f"part-{i:05d}.parquet", pf.schema_arrow) as writer:
+            for batch in pf.iter_batches(batch_size=max(rows_per_block, 1024)):
+                writer.write_batch(batch, row_group_size=rows_per_block)
+                tokens += int(pc.sum(batch.column("length")).as_py() or 0)
+                flat = pc.list_flatten(batch.column("tokens"))
+                if len(flat):
+                    max_token_id = max(max_token_id, int(pc.max(flat).as_py()))
+    recorded = {}
+    stats_path = Path(info.path) / STATS_FILE
+    if stats_path.is_file():
+        recorded = json.loads(stats_path.read_text())
+    if (Path(info.path) / TOKENIZER_DIR).is_dir():
+        shutil.copytree(Path(info.path) / TOKENIZER_DIR, out / TOKENIZER_DIR)
+    stats = {**recorded, "rows": info.rows, "tokens": tokens, "shards": len(info.files),
+             "max_token_id": max_token_id, "rows_per_block": rows_per_block,
+             "rechunked_from": str(info.path)}
+    (out / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+    return stats

@@ -1,0 +1,352 @@
+"""Reading `prepare`'s inputs into rows of tokens: which files, how text files are cut into
+documents, the texts of JSONL and Parquet records, and `gather_rows`, which tokenizes them.
+
+Inputs are files or folders. A folder is searched recursively (hidden and cache folders
+skipped) for text files (`TEXT_SUFFIXES`) and record files (`.jsonl`, `.parquet`). A file named
+directly is taken whatever its suffix. A text file that looks binary (a NUL byte, or not UTF-8,
+in its first 8 KiB: a `.so` or `.png` named directly, say) is skipped, and counted so that the
+caller can say so. An empty path (which would mean the current folder) is refused. A text file
+of only whitespace gives no rows, like an empty one.
+
+Text files are cut at natural boundaries: in Python source every def, async def and class, at
+any indentation, starts a document (with the decorators and comments directly above it), and
+one longer than a row is cut again at blank lines into groups of paragraphs of up to half a
+row; other text is cut into blank-line paragraphs. What is still longer than a row is split
+into chunks of a row. A JSONL line or Parquet row is one document: its text is the field
+`text_field` (a null or empty text is skipped). JSONL is read line by line and Parquet in
+batches of `PARQUET_BATCH_ROWS`.
+
+With a tokenizer that has an EOS, it follows each document; a Python definition cut into
+paragraph groups gets one, after its last group. Without a tokenizer, text files keep
+exactly the byte spans of `split_document_spans`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import re
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from elastic_train.data.tokenizer import Tokenizer
+
+TEXT_SUFFIXES = frozenset({".txt", ".py", ".md", ".rst"})
+RECORD_SUFFIXES = frozenset({".jsonl", ".parquet"})
+PARQUET_BATCH_ROWS = 1024  # records read from a Parquet input at a time
+_SNIFF_BYTES = 8192
+ENCODE_BATCH_RECORDS = 256  # JSONL/Parquet records tokenized in one call
+
+# A Python definition line, at any indentation: `def name(`, `async def name(`, `class name`
+# followed by `(`, `[` or `:` (the name check keeps most prose in docstrings out).
+_PY_DEF_LINE = re.compile(
+    rb"[ \t]*(?:(?:async[ \t]+)?def[ \t]+\w+[ \t]*[(\[]|class[ \t]+\w+[ \t]*[(\[:])")
+# A paragraph ends after two or more newlines (blank lines may hold spaces).
+_PARAGRAPH_END = re.compile(rb"\n(?:[ \t\r\f\v]*\n)+")
+
+PathLike = str | os.PathLike
+
+
+def _python_cuts(data: bytes) -> list[int]:
+    """Offsets where Python definitions start: every def, async def and class, at any
+    indentation, together with the decorators and comment lines directly above it."""
+    cuts = [0]
+    preamble: int | None = None  # where the decorators/comments above the next def start
+    decorated = False  # the preamble holds a decorator, so any line may continue it
+    offset = 0
+    for line in data.splitlines(keepends=True):
+        body = line.lstrip(b" \t")
+        if _PY_DEF_LINE.match(line):
+            cuts.append(offset if preamble is None else preamble)
+            preamble, decorated = None, False
+        elif body.startswith(b"@"):
+            preamble = offset if preamble is None else preamble
+            decorated = True
+        elif body.startswith(b"#"):
+            preamble = offset if preamble is None else preamble
+        elif not decorated:
+            preamble = None  # code or a blank line: what was above is not attached
+        offset += len(line)
+    return cuts
+
+
+def _paragraph_cuts(data: bytes, start: int = 0, end: int | None = None) -> list[int]:
+    """Offsets where the paragraphs of `data[start:end]` start; the blank lines stay with the
+    paragraph before."""
+    end = len(data) if end is None else end
+    found = (match.end() for match in _PARAGRAPH_END.finditer(data, start, end))
+    return [start] + [cut for cut in found if cut < end]
+
+
+def _grouped_paragraph_cuts(data: bytes, start: int, end: int, limit: int) -> list[int]:
+    """Cuts of `data[start:end]` at paragraph starts, grouping consecutive paragraphs while
+    a group stays within `limit` bytes (a longer paragraph is a group of its own)."""
+    starts = _paragraph_cuts(data, start, end)
+    cuts = [start]
+    for cut, next_cut in zip(starts[1:], [*starts, end][2:], strict=True):
+        if next_cut - cuts[-1] > limit:
+            cuts.append(cut)
+    return cuts
+
+
+def _natural_bounds(data: bytes, *, python: bool) -> list[int]:
+    """Sorted offsets of the natural documents' starts, and `len(data)` last."""
+    cuts = _python_cuts(data) if python else _paragraph_cuts(data)
+    return sorted(set(cuts) | {len(data)})
+
+
+def split_document_spans(data: bytes, *, python: bool, max_seq_len: int) -> list[tuple[int, int]]:
+    """Cut a file's bytes into `(start, end)` spans that cover it in order, none empty,
+    each at most `max_seq_len` long: natural documents, long ones cut into chunks."""
+    bounds = _natural_bounds(data, python=python)
+    cuts: list[int] = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if python and end - start > max_seq_len:
+            cuts.extend(_grouped_paragraph_cuts(data, start, end, max(max_seq_len // 2, 1)))
+        else:
+            cuts.append(start)
+    bounds = sorted(set(cuts) | {len(data)})
+    spans = []
+    for doc_start, doc_end in zip(bounds[:-1], bounds[1:], strict=True):
+        for start in range(doc_start, doc_end, max_seq_len):
+            spans.append((start, min(start + max_seq_len, doc_end)))
+    return spans
+
+
+def chunk_rows(ids: np.ndarray, max_seq_len: int) -> list[np.ndarray]:
+    """`ids` cut into consecutive rows of at most `max_seq_len`."""
+    return [ids[start:start + max_seq_len] for start in range(0, len(ids), max_seq_len)]
+
+
+def tokenized_file_rows(
+    data: bytes, *, python: bool, encode: Callable[[bytes], np.ndarray],
+    eos_id: int | None, max_seq_len: int,
+) -> Iterator[np.ndarray]:
+    """The rows of a text file for a tokenizer, in order: each natural document is tokenized
+    with `encode` and `eos_id` appended; a Python one longer than a row is cut again at blank
+    lines into paragraph groups of about half a row (bytes per token measured on it), only
+    its last group getting the EOS; what is still longer is cut into chunks.
+
+    With byte tokens and no EOS these are exactly the spans of `split_document_spans`."""
+    eos = np.array([] if eos_id is None else [eos_id], dtype=np.int64)
+    bounds = _natural_bounds(data, python=python)
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        ids = encode(data[start:end])
+        if len(ids) == 0:
+            continue
+        if not python or len(ids) + len(eos) <= max_seq_len:
+            yield from chunk_rows(np.concatenate([ids, eos]).astype(ids.dtype), max_seq_len)
+            continue
+        limit = max((max_seq_len // 2) * (end - start) // len(ids), 1)
+        groups = _grouped_paragraph_cuts(data, start, end, limit) + [end]
+        for group_start, group_end in zip(groups[:-1], groups[1:], strict=True):
+            piece = encode(data[group_start:group_end])
+            if group_end == end:
+                piece = np.concatenate([piece, eos]).astype(piece.dtype)
+            yield from chunk_rows(piece, max_seq_len)
+
+
+def _looks_binary(path: Path) -> str | None:
+    """Why the start of `path` does not look like text (a NUL byte, or not UTF-8), or None."""
+    with open(path, "rb") as handle:
+        head = handle.read(_SNIFF_BYTES)
+    if b"\x00" in head:
+        return "it holds NUL bytes"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 3:  # not merely a character cut by the sniff's end
+            return f"it is not UTF-8 text (byte {exc.start})"
+    return None
+
+
+def _files_under(folder: Path) -> list[Path]:
+    """Text and record files under `folder`, recursively, skipping hidden and cache folders,
+    sorted by relative path."""
+    found = []
+    for path in folder.rglob("*"):
+        parts = path.relative_to(folder).parts
+        if any(part.startswith(".") or part == "__pycache__" for part in parts):
+            continue
+        suffix = path.suffix.lower()
+        if (suffix in TEXT_SUFFIXES or suffix in RECORD_SUFFIXES) and path.is_file():
+            found.append(path)
+    return sorted(found, key=lambda path: path.relative_to(folder).as_posix())
+
+
+def collect_input_files(inputs: Iterable[PathLike],
+                        skipped: list[tuple[Path, str]] | None = None) -> list[Path]:
+    """Expand inputs (files taken as given, folders searched) into unique files, in order.
+    Text files that look binary are left out, and appended to `skipped` with the reason.
+
+    Raises ValueError naming the input for an empty path or a missing one."""
+    files: list[Path] = []
+    seen: set[Path] = set()
+    for item in inputs:
+        if not str(item).strip():
+            raise ValueError(f"input '{item}' is an empty path (give '.' for the current folder)")
+        path = Path(item)
+        if not path.exists():
+            raise ValueError(f"input '{path}' does not exist")
+        for file in [path] if path.is_file() else _files_under(path):
+            if file.resolve() in seen:
+                continue
+            seen.add(file.resolve())
+            why = None if file.suffix.lower() in RECORD_SUFFIXES else _looks_binary(file)
+            if why:
+                if skipped is not None:
+                    skipped.append((file, why))
+                continue
+            files.append(file)
+    return files
+
+
+def _jsonl_text(line: str, where: str, text_field: str) -> str | None:
+    """The text of one JSONL line, None for a null; ValueError naming `where` (file:line)."""
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise ValueError(f"{where} is not valid JSON: {exc}") from exc
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is not a JSON object (it is {type(record).__name__})")
+    if text_field not in record:
+        fields = ", ".join(map(str, record)) or "none"
+        raise ValueError(f"{where} has no field '{text_field}' (--text-field); it has: {fields}")
+    text = record[text_field]
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{where}: field '{text_field}' is not a string "
+                         f"(it is {type(text).__name__})")
+    return text
+
+
+def iter_jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
+    """The non-empty texts of a JSONL file's records, in order (blank lines skipped)."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                text = _jsonl_text(line, f"'{path}' line {number}", text_field)
+                if text:
+                    yield text
+
+
+def iter_parquet_texts(path: Path, text_field: str) -> Iterator[str]:
+    """The non-empty texts of a Parquet file's column `text_field`, read in batches."""
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"input '{path}' is not a readable Parquet file: {exc}") from exc
+    schema = parquet.schema_arrow
+    if text_field not in schema.names:
+        raise ValueError(f"input '{path}' has no column '{text_field}' (--text-field); "
+                         f"it has: {', '.join(schema.names)}")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"input '{path}': column '{text_field}' holds {kind}, not text")
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
+        yield from (text for text in batch.column(0).to_pylist() if text)
+
+
+class _RowBuffer:
+    """Rows as they are made: token values gathered into a few large arrays, and per row
+    (source index, offset in the source's token stream, start, end in the values)."""
+
+    def __init__(self) -> None:
+        self._chunks: list[np.ndarray] = []
+        self._pending: list[np.ndarray] = []
+        self._meta = array("q")
+        self._size = 0
+        self._source, self._offset = -1, 0
+
+    def add(self, source: int, ids: np.ndarray) -> None:
+        """One row of `source`'s, right after the previous one of that source."""
+        if source != self._source:
+            self._source, self._offset = source, 0
+        self._meta.extend((source, self._offset, self._size, self._size + len(ids)))
+        self._pending.append(ids)
+        self._size += len(ids)
+        self._offset += len(ids)
+        if len(self._pending) >= 4096:
+            self._chunks.append(np.concatenate(self._pending))
+            self._pending = []
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray]:
+        """All token values in one array, and the (rows, 4) array of row metadata."""
+        parts = self._chunks + self._pending
+        values = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
+        return values, np.array(self._meta, dtype=np.int64).reshape(-1, 4)
+
+
+def _text_file_rows(file: Path, tokenizer: Tokenizer, max_seq_len: int) -> Iterator[np.ndarray]:
+    """The rows of a text file: its bytes, or its documents' tokens with the EOS after each."""
+    data = file.read_bytes()
+    if not data.strip():  # only whitespace: nothing to learn from, like an empty file
+        return
+    python = file.suffix.lower() == ".py"
+    if tokenizer.kind == "bytes":
+        buffer = np.frombuffer(data, dtype=np.uint8)
+        for start, end in split_document_spans(data, python=python, max_seq_len=max_seq_len):
+            yield buffer[start:end]
+        return
+
+    def encode(text: bytes) -> np.ndarray:
+        return np.asarray(tokenizer.encode(text.decode("utf-8", errors="replace")), np.int32)
+
+    yield from tokenized_file_rows(data, python=python, encode=encode,
+                                   eos_id=tokenizer.eos_id, max_seq_len=max_seq_len)
+
+
+def _record_rows(texts: Iterable[str], tokenizer: Tokenizer, max_seq_len: int
+                 ) -> Iterator[np.ndarray]:
+    """The rows of JSONL/Parquet records: each one's tokens (UTF-8 bytes without a tokenizer),
+    the EOS appended, cut into chunks of `max_seq_len`."""
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    records = iter(texts)
+    while batch := list(itertools.islice(records, ENCODE_BATCH_RECORDS)):
+        if tokenizer.kind == "bytes":
+            encoded = [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in batch]
+        else:
+            encoded = [np.asarray(ids + eos, dtype=np.int32)
+                       for ids in tokenizer.encode_batch(batch) if ids]
+        for ids in encoded:
+            yield from chunk_rows(ids, max_seq_len)
+
+
+def gather_rows(files: Sequence[Path], tokenizer: Tokenizer, max_seq_len: int,
+                text_field: str) -> tuple[np.ndarray, np.ndarray]:
+    """All rows of all files: the token values, and an (n, 4) array of rows
+    `(file index, offset in the file's token stream, start in values, end in values)`."""
+    rows = _RowBuffer()
+    for index, file in enumerate(files):
+        suffix = file.suffix.lower()
+        if suffix == ".jsonl":
+            made = _record_rows(iter_jsonl_texts(file, text_field), tokenizer, max_seq_len)
+        elif suffix == ".parquet":
+            made = _record_rows(iter_parquet_texts(file, text_field), tokenizer, max_seq_len)
+        else:
+            made = _text_file_rows(file, tokenizer, max_seq_len)
+        for ids in made:
+            rows.add(index, ids)
+    return rows.finish()
+
+
+def no_text_message(inputs, skipped: list) -> str:
+    """The error for inputs that held no text (counting the binary files skipped)."""
+    shown = ", ".join(f"'{item}'" for item in inputs) or "(no inputs given)"
+    extra = f" (skipped {len(skipped)} binary file(s))" if skipped else ""
+    return f"no input text found in {shown}{extra}"
+
+
+def warn_skipped(skipped: list) -> None:
+    """One warning that counts the binary files skipped, naming the first three."""
+    if skipped:
+        shown = ", ".join(f"'{file}' ({why})" for file, why in skipped[:3])
+        logging.getLogger("elastic_train.prepare").warning(
+            "skipped %d binary file(s), not text: %s%s", len(skipped), shown,
+            ", ..." if len(skipped) > 3 else "")

@@ -1,0 +1,125 @@
+"""Every check of a run's inputs that needs no cluster, on the driver, before Ray starts: the data
+set (and the held-out one), the model built on the meta device, their fit, storage, the
+checkpoint to resume. Each failure is one ConfigError naming the key at fault."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from elastic_train.config import Config, ConfigError, num_partitions, validate
+from elastic_train.data.blocks import check_blocks
+from elastic_train.data.dataset import DatasetInfo, dataset_blocks, extra_columns, inspect_dataset
+from elastic_train.data.prepare import default_corpus_dir
+from elastic_train.data.rowgroups import BlockTable, hold_out
+from elastic_train.preflight.checks import (
+    check_gpu,
+    check_reduce,
+    check_sample_ids,
+    check_storage,
+)
+from elastic_train.preflight.resume import check_resumable
+from elastic_train.training.checkpoint import model_signature
+from elastic_train.training.model import BYTE_VOCAB, ModelFn, build_meta_model, input_embedding_rows
+
+
+def resolve_dataset(cfg: Config, key: str = "data.path") -> DatasetInfo:
+    """The dataset to train on (or, with key="eval.path", to evaluate on), checked before any
+    worker starts (ConfigError naming the key if unusable)."""
+    if key == "eval.path":
+        path = cfg.eval.path
+    else:
+        path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
+    try:
+        info = inspect_dataset(path)
+        check_sample_ids(info)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    if info.max_length > cfg.data.max_seq_len:
+        raise ConfigError(
+            f"{key}: dataset {path} has rows of {info.max_length} tokens, longer than "
+            f"data.max_seq_len={cfg.data.max_seq_len}; prepare it again with --max-seq-len "
+            f"{cfg.data.max_seq_len} or raise data.max_seq_len"
+        )
+    return info
+
+
+@dataclass
+class DataTables:
+    """The blocks a run trains on and those it evaluates on (None: no evaluation)."""
+
+    train: BlockTable
+    eval: BlockTable | None
+    eval_info: DatasetInfo | None  # eval.path's data set (None with eval.fraction)
+
+
+def data_tables(cfg: Config, info: DatasetInfo) -> DataTables:
+    """data.path's blocks, less the share eval.fraction holds out; or eval.path's blocks."""
+    table = dataset_blocks(info)
+    if cfg.eval.fraction > 0:
+        train, held = hold_out(table, cfg.eval.fraction)
+        return DataTables(train, held, None)
+    if cfg.eval.path:
+        eval_info = resolve_dataset(cfg, "eval.path")
+        missing = set(extra_columns(info)) - set(extra_columns(eval_info))
+        if missing:
+            raise ConfigError(f"eval.path: data set {eval_info.path} lacks the column(s) "
+                              f"{sorted(missing)} that the training data has (the loss reads them)")
+        if (eval_info.tokenizer_kind, eval_info.vocab_size) != (info.tokenizer_kind, info.vocab_size):
+            raise ConfigError(
+                f"eval.path: data set {eval_info.path} was tokenized with another tokenizer "
+                f"({eval_info.tokenizer_kind}, vocabulary {eval_info.vocab_size}) than data.path "
+                f"({info.tokenizer_kind}, vocabulary {info.vocab_size}): its loss would mean nothing")
+        return DataTables(table, dataset_blocks(eval_info), eval_info)
+    return DataTables(table, None, None)
+
+
+def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
+    """Every check that needs no cluster: the dataset, the model (built once on the meta device:
+    shapes only), their fit, storage, the checkpoint to resume. Fills in what the config leaves
+    to the data set (`model.vocab_size`, `data.pad_id`), so the resolved config says it."""
+    validate(cfg)  # again: a Config built in Python has not been through load_config
+    check_gpu(cfg)
+    info = resolve_dataset(cfg)
+    if cfg.data.pad_id is None:
+        cfg.data.pad_id = info.pad_id if info.pad_id is not None else 0
+    if cfg.model.vocab_size is None and cfg.model.name != "hf":
+        # a tokenizer may report fewer tokens than its largest id: the larger of the two
+        cfg.model.vocab_size = max(info.vocab_size or 0, (info.max_token_id or -1) + 1) or BYTE_VOCAB
+    tables = data_tables(cfg, info)
+    try:
+        check_blocks(tables.train, num_partitions(cfg), info.path)
+    except ValueError as exc:
+        raise ConfigError(f"data.path: {exc}") from None
+    model = meta_model(cfg, model_fn)
+    check_model_fits_data(cfg, info, model)
+    if tables.eval_info is not None:
+        check_model_fits_data(cfg, tables.eval_info, model)
+    check_storage(cfg)
+    saved = check_resumable(cfg, model_signature(model), info)
+    check_reduce(cfg, saved)
+    return info
+
+
+def meta_model(cfg: Config, model_fn: ModelFn | None = None) -> torch.nn.Module:
+    """The model on the meta device (no memory), or a ConfigError naming what failed."""
+    try:
+        return build_meta_model(cfg.model, cfg.data.max_seq_len, model_fn)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_model_fits_data(cfg: Config, info: DatasetInfo, model: torch.nn.Module) -> None:
+    """The model embeds every token id of the data, the pad id, and positions up to
+    data.max_seq_len (where the model says how many it has)."""
+    rows = input_embedding_rows(model)
+    largest = max(info.max_token_id or 0, cfg.data.pad_id or 0)
+    if rows is not None and largest >= rows:
+        raise ConfigError(
+            f"model: its embedding has {rows} rows but data set {info.path} uses token id {largest}; "
+            f"set model.vocab_size (or the model's own vocabulary) to at least {largest + 1}")
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if positions is not None and cfg.data.max_seq_len > positions:
+        raise ConfigError(f"data.max_seq_len ({cfg.data.max_seq_len}) is longer than the model's "
+                          f"max_position_embeddings ({positions})")

@@ -1,0 +1,112 @@
+"""May this run resume its latest checkpoint? Same model signature, same data identity, same data
+content and tokenizer; refused before Ray starts, the run folder left as it was."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from elastic_train.config import Config, ConfigError
+from elastic_train.data.dataset import DatasetInfo
+from elastic_train.observe import provenance
+from elastic_train.observe.runfolder import run_uri, split_uri
+from elastic_train.preflight.checks import (
+    IDENTITY_FILE,
+    data_identity,
+    identity_change,
+)
+from elastic_train.training.checkpoint import MANIFEST, signature_mismatch
+
+logger = logging.getLogger("elastic_train")
+
+
+def check_resumable(cfg: Config, ours: dict[str, list[int]],
+                    info: DatasetInfo | None = None) -> dict[str, Any] | None:
+    """If the run folder holds checkpoints, the newest complete one must fit the configured model
+    (signature `ours`) and, given `info`, have been trained on the same data identity (path, seed,
+    partition count, shards; see checks.py) unless data.on_change=keep_position: refused here,
+    before Ray starts, with the run folder left as it was. (The worker checks the checkpoint Ray
+    hands it again, in case one appears meanwhile.) Returns that checkpoint's state.json (None
+    without one)."""
+    fs, folder, _ = split_uri(run_uri(cfg))
+    if fs.get_file_info(folder).type != pafs.FileType.Directory:
+        return None
+    names = sorted((f.base_name for f in fs.get_file_info(pafs.FileSelector(folder))
+                    if f.type == pafs.FileType.Directory and f.base_name.startswith("checkpoint_")),
+                   reverse=True)
+    for name in names:
+        directory = f"{folder}/{name}"
+        if fs.get_file_info(f"{directory}/{MANIFEST}").type != pafs.FileType.File:
+            continue  # incomplete: never loaded
+        state = _read_json(fs, f"{directory}/state.json", "checkpoint file")
+        if not (isinstance(state, dict) and isinstance(state.get("config"), dict)
+                and isinstance(state.get("model_signature"), dict)):
+            raise ConfigError(f"checkpoint file '{directory}/state.json' is corrupt: not the state "
+                              "of a checkpoint")
+        mismatch = signature_mismatch(state, ours)
+        if mismatch:
+            raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} {mismatch}; use "
+                              f"another run.name, or the model config it was trained with")
+        if info is not None:
+            _check_same_data(cfg, info, state, fs, folder, name)
+            if isinstance(state.get("provenance"), dict):
+                _check_provenance(cfg, info, state["provenance"], name)
+        return state
+    return None
+
+
+def _check_provenance(cfg: Config, info: DatasetInfo, saved: dict, name: str) -> None:
+    """A resume on other data content or another tokenizer is refused (unless
+    data.on_change=keep_position); on other library versions or code, it warns naming them."""
+    refusing, warning = provenance.changes(saved, provenance.driver_record(info))
+    if refusing and cfg.data.on_change != "keep_position":
+        raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} was trained on other data: "
+                          f"{'; '.join(refusing)}. Use another run.name, the data it was trained on, "
+                          "or data.on_change=keep_position to resume anyway")
+    if refusing:
+        warning = refusing + warning
+    if warning:
+        logger.warning("run %s: resuming checkpoint %s, written with %s", cfg.run.name, name,
+                       "; ".join(warning))
+
+
+def _read_json(fs: pafs.FileSystem, path: str, what: str):
+    """A JSON file's content, or a ConfigError naming the file."""
+    try:
+        with fs.open_input_stream(path) as f:
+            return json.loads(f.read())
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError and UnicodeDecodeError too
+        raise ConfigError(f"{what} '{path}' is corrupt or unreadable: {exc}") from None
+
+
+def _check_same_data(cfg: Config, info: DatasetInfo, state: dict, fs: pafs.FileSystem,
+                     folder: str, name: str) -> None:
+    """The checkpoint's data position means the same rows now: same data identity."""
+    current = data_identity(cfg, info)
+    data = state["config"].get("data")
+    data = data if isinstance(data, dict) else {}
+    saved = {"seed": data["seed"]} if isinstance(data.get("seed"), int) else {}
+    if data.get("global_batch_tokens") and data.get("micro_batch_tokens"):
+        saved["partitions"] = data["global_batch_tokens"] // data["micro_batch_tokens"]
+    path = data.get("path")
+    if isinstance(path, str) and ("://" in path or os.path.isabs(path)):
+        # (a relative one depended on that run's working folder)
+        saved["path"] = path.rstrip("/") if "://" in path else os.path.normpath(path)
+    identity_path = f"{folder}/{IDENTITY_FILE}"
+    if fs.get_file_info(identity_path).type == pafs.FileType.File:
+        recorded = _read_json(fs, identity_path, "run file")
+        saved.update(recorded if isinstance(recorded, dict) else {})
+    change = identity_change(saved, current)
+    if change is None:
+        return
+    if cfg.data.on_change == "keep_position":
+        logger.warning("run %s: resuming checkpoint %s at its data position although %s "
+                       "(data.on_change=keep_position)", cfg.run.name, name, change)
+        return
+    raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} was trained on other data: "
+                      f"{change}; its data position would mean other rows. Use another run.name, "
+                      "the data it was trained on, or data.on_change=keep_position to resume anyway")

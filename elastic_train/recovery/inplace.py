@@ -1,0 +1,461 @@
+"""In-place recovery (`fault.recovery=in_place`): a lost worker is replaced while the others train on.
+
+Each Ray Train worker is a torchft replica group of one (Ray's `TorchftConfig`: a lighthouse actor
+forms a quorum of the live replicas before every step). A step is still all K canonical partitions
+(plan.py), whatever the number of live replicas: the quorum's participants own them by their rank
+among the participants, so when a worker dies the survivors take its partitions over at the next
+step, from the cursors every replica holds. Everything a step exchanges rides in one float64 SUM
+all-reduce through the torchft Manager: the gradient sums (`loop.ExactGradSum`), the loss and
+target counts, the token and row counts, and every partition's cursor after the step. The gradient
+is divided by the summed target count after the reduce, so a step's update is the same to the bit
+at any number of participants. A step whose all-reduce failed (a peer died in it) is not committed
+(`should_commit`): nothing changes, and the next quorum trains it again from the same cursors, so
+every sample is trained exactly once. A replacement that Ray starts heals from a live peer inside
+the quorum (torchft's checkpoint transport: model, optimizer, counters and all cursors) and takes
+part in the same step.
+
+What stays as in `restart` mode: checkpoints (now written by one replica, whole, and reported by
+every worker only at steps where every worker took part), so that a whole-cluster loss or a run
+resumed by name continues from them; metrics, events and consumed ids through the RunLog.
+
+Ray 2.60 replaces a failing replica group in place only while the worker count is unchanged, and
+turns its preemption watcher off in this mode: runs in this mode have a fixed worker count
+(config.py refuses min != max), and a drained node is a death like any other. The driver's side
+(Ray's torchft backend, told apart from a group start and a replacement) is `inplace_ray.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+from torch.distributed import ReduceOp
+
+from elastic_train.config import Config, num_partitions
+from elastic_train.data.batches import MicroBatch
+from elastic_train.data.blocks import BlockReader, Cursor, PartitionStream, make_reader
+from elastic_train.data.plan import StreamSpec, assign_blocks, owned_partitions
+from elastic_train.recovery.fence import Fencer
+from elastic_train.training.build import Training, build_training
+from elastic_train.training.checkpoint import BestCheckpointWriter, snapshot
+from elastic_train.training.env import WorkerEnv
+from elastic_train.training.evaluate import run_eval
+from elastic_train.training.loop import _log_reads
+from elastic_train.training.losses import LossFn
+from elastic_train.training.model import (
+    ModelFn,
+    count_parameters,
+    input_embedding_rows,
+    model_flops_per_token,
+)
+from elastic_train.training.optim import lr_at, set_lr
+from elastic_train.training.step import TrainState, accumulate, optimizer_step
+
+# The step's numbers that ride after the gradient in its one all-reduce (see Layout).
+QUIET_RUST_LOG = "warn"  # torchft's Rust side logs every quorum and commit at info
+SLOTS = ("loss", "targets", "real", "padded", "rows", "micro_batches")
+STALE_POLL_S = 0.2  # a joiner alone behind the run: how often it looks for its peers again
+
+
+class PartitionPool:
+    """The partitions this replica trains at a step, each read from the committed cursor on.
+
+    Ownership changes with the quorum, so streams are opened per partition: a partition whose
+    stream already stands at the asked cursor goes on from it, any other is opened there (at
+    most one window read again). A step that was not committed asks again for the same cursors."""
+
+    def __init__(self, reader: BlockReader, spec: StreamSpec, pad_id: int) -> None:
+        self.reader, self.spec, self.pad_id = reader, spec, pad_id
+        self.epoch = -1
+        self.streams: list[PartitionStream] = []
+        self.open: dict[int, tuple[Cursor, Iterator[tuple[MicroBatch, Cursor]]]] = {}
+
+    def at_epoch(self, epoch: int) -> None:
+        if epoch == self.epoch:
+            return
+        assignment = assign_blocks(self.reader.table.tokens, self.spec.num_partitions,
+                                   self.spec.seed, epoch)
+        self.streams = [PartitionStream(p, assignment[p], self.spec, epoch, self.reader, self.pad_id)
+                        for p in range(self.spec.num_partitions)]
+        self.epoch, self.open = epoch, {}
+
+    def epoch_over(self, cursors: dict[int, Cursor]) -> bool:
+        return all(cursors.get(s.partition, (0, 0)) == s.done for s in self.streams)
+
+    def take(self, partitions: list[int], cursors: dict[int, Cursor]
+             ) -> tuple[list[MicroBatch], dict[int, Cursor]]:
+        """One micro-batch of each of `partitions` that has one left, and their cursors after."""
+        batches, after = [], {}
+        for p in partitions:
+            cursor = cursors.get(p, (0, 0))
+            held = self.open.pop(p, None)
+            if cursor == self.streams[p].done:
+                after[p] = cursor
+                continue
+            it = held[1] if held is not None and held[0] == cursor else self.streams[p].iter_from(cursor)
+            item = next(it, None)
+            if item is None:
+                after[p] = self.streams[p].done
+                continue
+            mb, after[p] = item
+            batches.append(mb)
+            self.open[p] = (after[p], it)
+        for p in [p for p in self.open if p not in partitions]:
+            del self.open[p]
+        return batches, after
+
+
+def state_cursors(state: TrainState) -> dict[int, Cursor]:
+    return {int(p): (c[0], c[1]) for p, c in state.cursors.items()}
+
+
+@dataclass
+class Replica:
+    """This worker's torchft Manager, and the state a joining replica heals from."""
+
+    t: Training
+    manager: Any = None
+    healed_from_step: int | None = None  # set by a heal (the peer's step)
+    heals: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.t
+        return {"model": t.raw_model.state_dict(), "optim": t.optimizer.state_dict(),
+                "train_state": asdict(t.state)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        t = self.t
+        t.raw_model.load_state_dict(sd["model"])
+        t.optimizer.load_state_dict(sd["optim"])
+        t.state = TrainState(**sd["train_state"])
+        self.healed_from_step, self.heals = t.state.step, self.heals + 1
+
+
+def start_manager(cfg: Config, env: WorkerEnv, replica: Replica) -> Any:
+    """A Manager for this worker as a replica group of one, at the restored step. The quorum is
+    synchronous (a joining replica heals before the forward and takes part in the same step); the
+    process group's timeout bounds how long a hung (not dead) peer blocks a step."""
+    os.environ.setdefault("RUST_LOG", QUIET_RUST_LOG)  # before torchft starts its Rust runtime
+    # a line per quorum and commit (torchft_commits: an empty one, for its structured handlers)
+    for name in ("torchft", "torchft_quorums", "torchft_commits"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # torchft 0.2.0's own use of deprecated torch APIs in its checkpoint transport, once a process
+    warnings.filterwarnings("ignore", module=r"torchft\.checkpointing")
+    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    timeout = timedelta(seconds=cfg.scaling.collective_timeout_s)
+    pg = ProcessGroupNCCL(timeout=timeout) if env.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+    manager = Manager(
+        pg=pg, min_replica_size=1, load_state_dict=replica.load_state_dict,
+        state_dict=replica.state_dict, use_async_quorum=False, timeout=timeout,
+        quorum_timeout=timeout, rank=0, world_size=1,
+        replica_id=f"{cfg.run.name}_{env.world_rank}_{uuid.uuid4().hex[:8]}",
+        checkpoint_transport=PGTransport(pg, timeout=timeout, device=env.device))
+    step = replica.t.state.step
+    manager.load_state_dict({"step": step, "batches_committed": step})
+    replica.manager = manager
+    return manager
+
+
+class InPlaceEnv(WorkerEnv, Protocol):
+    """What `in_place_loop` uses beyond `loop.WorkerEnv` (Ray: `worker.RayWorkerEnv`)."""
+
+    joining: bool  # this worker replaces a lost replica of a running group
+    fence_after_s: float  # a replica missing from the steps this long is ended (fence.py)
+
+    def run_finished(self) -> int | None: ...  # the step the run's training ended at, if it has
+    def latest_step(self) -> int | None: ...  # the latest step logged
+    def mark_finished(self, step: int) -> None: ...
+    # a committed step's record and sample ids (all partitions'; None: not recorded), sent by
+    # every participant: the first to arrive is kept
+    def log_committed(self, record: dict[str, Any], ids: list[int] | None) -> None: ...
+    def fence(self, world_rank: int, pid: int, missing_s: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The float64 slots after the gradient in a step's all-reduce: SLOTS; (window, taken) of
+    every partition's cursor after the step (summed: each partition has one owner); each world
+    rank's pid, 0 for a rank not taking part (fence.py); with data.record_ids, each partition's
+    sample ids + 1 (0: no row; a micro-batch has at most micro_batch_tokens rows), so that any
+    participant can log the whole step, and a replica lost right after it leaves no gap."""
+
+    partitions: int
+    world_size: int
+    ids_per_partition: int  # 0: ids not recorded
+
+    @classmethod
+    def of(cls, cfg: Config, world_size: int) -> Layout:
+        return cls(num_partitions(cfg), world_size,
+                   cfg.data.micro_batch_tokens if cfg.data.record_ids else 0)
+
+    @property
+    def cursors(self) -> int:
+        return len(SLOTS)
+
+    @property
+    def pids(self) -> int:
+        return self.cursors + 2 * self.partitions
+
+    @property
+    def ids(self) -> int:
+        return self.pids + self.world_size
+
+    @property
+    def size(self) -> int:
+        return self.ids + self.partitions * self.ids_per_partition
+
+
+@dataclass
+class ReducedStep:
+    """A committed step, as every participant has it after the all-reduce."""
+
+    loss: float  # per target, over all participants
+    real: float
+    padded: float
+    rows: float
+    micro_batches: float
+    cursors: dict[str, list[int]]  # every partition's, after the step
+    pids: dict[int, int]  # world rank: pid, of the participants
+    ids: list[int] | None  # the step's sample ids, every partition's (data.record_ids)
+    grad_norm: float
+    skipped: bool
+    forward_backward_s: float
+    optimizer_s: float
+
+
+def in_place_step(t: Training, manager: Any, env: InPlaceEnv, layout: Layout,
+                  micro_batches: list[MicroBatch], after: dict[int, Cursor], *, lr: float,
+                  grad_clip: float) -> ReducedStep | None:
+    """This replica's micro-batches of step `t.state.step + 1`: gradient sums and counts into the
+    float64 buffer, one SUM all-reduce through the Manager, and, if the quorum commits the step,
+    the update (None if it does not: nothing changed, the step is trained again)."""
+    state, reducer = t.state, t.setup.exact
+    set_lr(t.optimizer, lr)
+    t.optimizer.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    loss, targets = accumulate(t.model, micro_batches, setup=t.setup, scale=1.0, step=state.step)
+    extra, n, k = reducer.extra, layout.cursors, layout.partitions
+    extra[:n] = torch.tensor(
+        [float(loss), targets, sum(mb.real_tokens for mb in micro_batches),
+         sum(mb.padded_tokens for mb in micro_batches), sum(len(mb.ids) for mb in micro_batches),
+         len(micro_batches)], dtype=torch.float64)
+    for p, (window, taken) in after.items():
+        extra[n + 2 * p: n + 2 * p + 2] = torch.tensor([window, taken], dtype=torch.float64)
+    extra[layout.pids + env.world_rank] = os.getpid()
+    if layout.ids_per_partition:
+        for mb in micro_batches:
+            start = layout.ids + mb.partition * layout.ids_per_partition
+            extra[start: start + len(mb.ids)] = torch.from_numpy(mb.ids.astype("float64") + 1)
+    manager.allreduce(reducer.buffer, reduce_op=ReduceOp.SUM).wait()
+    if not manager.should_commit():
+        reducer.buffer.zero_()
+        t.optimizer.zero_grad(set_to_none=True)
+        return None
+    t1 = time.perf_counter()
+    sums = reducer.extra.tolist()
+    loss_sum, total_targets, real, padded, rows, n_mb = sums[:n]
+    cursors = {str(p): [int(sums[n + 2 * p]), int(sums[n + 2 * p + 1])] for p in range(k)}
+    pids = {rank: int(pid) for rank, pid in enumerate(sums[layout.pids:layout.ids]) if pid}
+    ids = [int(i) - 1 for i in sums[layout.ids:] if i] if layout.ids_per_partition else None
+    reducer.set_grads(divisor=max(total_targets, 1.0))
+    env.maybe_poison_gradient(t.raw_model, state.step + 1)
+    # every replica holds the same reduced gradient: the same norm and skip decision, no
+    # collective (the default process group is this replica group of one)
+    _, grad_norm, skipped = optimizer_step(t.raw_model, t.optimizer, None, grad_clip,
+                                           torch.tensor(loss_sum), env.device)
+    return ReducedStep(loss_sum / max(total_targets, 1.0), real, padded, rows, n_mb, cursors, pids,
+                       ids, grad_norm, skipped, t1 - t0, time.perf_counter() - t1)
+
+
+def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
+                  loss_fn: LossFn | None = None) -> None:
+    """Run (or resume) training on this worker as one replica among the live ones."""
+    k = num_partitions(cfg)
+    layout = Layout.of(cfg, env.world_size)
+    t = build_training(cfg, env, model_fn, loss_fn, reduce_extra=layout.size)
+    replica = Replica(t)
+    manager = start_manager(cfg, env, replica)
+    attempt = env.begin_attempt()
+    reader = make_reader("pyarrow", env.block_table, env.extra_columns,
+                         input_embedding_rows(t.raw_model))
+    spec = StreamSpec(k, cfg.data.micro_batch_tokens, cfg.data.shuffle_window, cfg.data.seed,
+                      cfg.data.bucketing)
+    pool = PartitionPool(reader, spec, cfg.data.pad_id or 0)
+    flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len,
+                                            count_parameters(t.raw_model))
+    env.log_event({"event": "start", "attempt": attempt, "world_size": env.world_size,
+                   "resumed_step": t.state.step, "rank": env.world_rank, "recovery": "in_place",
+                   "joining": env.joining})
+    evaluating = env.eval_table is not None
+    best = None  # the best-checkpoint writer, made by the first replica that logs an evaluation
+    committed_here = 0  # steps this process committed
+    seen, prank = None, None  # the last (quorum id, participants) logged; the participating rank
+    fencer = Fencer(env.fence_after_s, lambda rank, pid, missing_s: _fence(env, rank, pid, missing_s))
+    stale_deadline = time.monotonic() + cfg.scaling.collective_timeout_s
+    try:
+        while not _advance(t.state, cfg, pool):
+            env.step_began(t.state.step + 1)
+            t0 = time.perf_counter()
+            stale = committed_here == 0 and time.monotonic() < stale_deadline
+            verdict = _join_quorum(env, replica, cfg, pool, stale)
+            if verdict != "train":
+                env.step_ended(None)
+                if verdict == "over":
+                    break
+                continue
+            n, prank = manager.num_participants(), manager.participating_rank()
+            if (manager._quorum_id, n) != seen:  # torchft 0.2.0 keeps the quorum id private
+                seen = (manager._quorum_id, n)
+                env.log_event({"event": "quorum", "step": t.state.step + 1, "participants": n,
+                               "participating_rank": prank, "quorum_id": seen[0]})
+            state = t.state
+            t_data = time.perf_counter()
+            micro_batches, after = pool.take(owned_partitions(prank, n, k) if prank is not None else [],
+                                             state_cursors(state))
+            wait_s = time.perf_counter() - t_data
+            lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
+            r = in_place_step(t, manager, env, layout, micro_batches, after, lr=lr,
+                              grad_clip=cfg.train.grad_clip)
+            if r is None:
+                env.log_event({"event": "step_not_committed", "step": state.step + 1,
+                               "participants": n, "error": repr(manager.errored())[:300]})
+                env.step_ended(None)
+                continue
+            state.cursors = r.cursors
+            if state.count_step(r.skipped, r.real, r.padded, r.rows, cfg.train.max_consecutive_skips):
+                env.handle_nonfinite(state.step, micro_batches)
+            committed_here += 1
+            fencer.observe(r.pids, acting=prank == 0)
+            step_time_s = time.perf_counter() - t0
+            # every participant sends it (the RunLog keeps the first): a replica lost right
+            # after the step leaves no gap in metrics.jsonl or consumed/
+            env.log_committed({"step": state.step, "epoch": state.epoch, "time": time.time(),
+                               "attempt": attempt, "world_size": n, "loss": r.loss, "lr": lr,
+                               "grad_norm": r.grad_norm, "real_tokens": int(r.real),
+                               "padded_tokens": int(r.padded), "step_time_s": step_time_s,
+                               "data_wait_s": wait_s, "quorum_s": t_data - t0,
+                               "forward_backward_s": r.forward_backward_s, "optimizer_s": r.optimizer_s,
+                               "tokens_per_s": r.real / step_time_s,
+                               "mfu": flops_per_token * r.real / step_time_s / (cfg.log.peak_flops * n),
+                               "skipped": r.skipped, "rows": int(r.rows),
+                               "micro_batches": int(r.micro_batches), "logged_by": env.world_rank,
+                               "skipped_steps": state.skipped_steps, "recovery": "in_place"}, r.ids)
+            env.inject_faults(state.step)
+            env.step_ended(time.perf_counter() - t0)
+            if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
+                best = _evaluate(cfg, env, t, attempt, best, prank == 0)
+            every = cfg.checkpoint.every_steps
+            if every and state.step % every == 0 and n == env.world_size:
+                _log_reads(env, attempt, reader)
+                save_in_place(env, cfg, t, writer=prank == 0, final=False)
+        manager.shutdown(wait=False)
+        reader.close()
+        _log_reads(env, attempt, reader)
+        if env.joining and not committed_here:
+            # a replacement that found the run over joins the others' final report, without a share
+            env.save_checkpoint(None, env.run_finished(), final=True)
+            return
+        # the last step's first participant logs and writes (the first worker, if this process ran
+        # no step)
+        first = prank == 0 if committed_here else env.world_rank == 0
+        if evaluating and t.state.eval_step != t.state.step:  # the end, unless just evaluated
+            best = _evaluate(cfg, env, t, attempt, best, first)
+        if best is not None:
+            best.wait()
+        env.mark_finished(t.state.step)  # a replacement that starts from now on only reports
+        save_in_place(env, cfg, t, writer=first, final=True)
+    finally:
+        fencer.stop()
+
+
+def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: PartitionPool,
+                 may_be_stale: bool) -> str:
+    """This step's quorum (a replica behind the others heals inside it): "train", "wait" (a
+    replacement alone and behind the run: its peers come to the next quorum, so it never trains
+    the run again; `may_be_stale` is False once it committed a step, or past its deadline, when
+    every other replica was lost too) or "over" (the run ended while it started)."""
+    manager = replica.manager
+    manager.start_quorum()
+    if replica.healed_from_step is not None:
+        age_s = time.time() - env.startup.get("process_start", time.time())
+        env.log_event({"event": "healed", "step": replica.healed_from_step,
+                       "process_age_s": round(age_s, 3)})
+        replica.healed_from_step = None
+        if _advance(replica.t.state, cfg, pool):  # a peer's state (never past the end: it is here)
+            return "over"
+    alone = manager.num_participants() == 1
+    if not (env.joining and may_be_stale and not replica.heals and alone and _stale(env, replica.t.state)):
+        return "train"
+    manager.report_error(RuntimeError("a replacement alone, behind the run"))
+    manager.should_commit()  # False: the step count stays as it was
+    if env.run_finished() is not None:
+        return "over"
+    time.sleep(STALE_POLL_S)
+    return "wait"
+
+
+def _fence(env: InPlaceEnv, rank: int, pid: int, missing_s: float) -> None:
+    """End a replica's process that no step has seen for env.fence_after_s (fence.py)."""
+    env.log_event({"event": "fencing", "lost_rank": rank, "lost_pid": pid,
+                   "missing_s": round(missing_s, 1)})
+    env.fence(rank, pid, missing_s)
+
+
+def _evaluate(cfg: Config, env: WorkerEnv, t: Training, attempt: int,
+              best: BestCheckpointWriter | None, first: bool) -> BestCheckpointWriter | None:
+    """Every replica evaluates every partition itself, with no collective (a lost replica cannot
+    hold the others in one): the same result on each, and at any number of replicas; it costs each
+    replica the whole evaluation. Every replica sends the record (the RunLog keeps the first: a
+    replica lost right after leaves no gap); the quorum's first participant keeps the best."""
+    if first and best is None and cfg.checkpoint.keep_best:
+        best = env.best_writer()
+    run_eval(cfg, env, t, list(range(num_partitions(cfg))), attempt, best if first else None, True)
+    return best
+
+
+def _advance(state: TrainState, cfg: Config, pool: PartitionPool) -> bool:
+    """Move to the next epoch when every partition's cursor is at its end; True when the run is
+    over (max_steps or the last epoch). Every replica decides alike from the committed state."""
+    while state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
+        pool.at_epoch(state.epoch)
+        if not pool.epoch_over(state_cursors(state)):
+            return False
+        state.epoch, state.step_in_epoch, state.cursors = state.epoch + 1, 0, {}
+    return True
+
+
+def _stale(env: WorkerEnv, state: TrainState) -> bool:
+    """A replacement alone in its quorum is behind the run if the run has ended or its step is
+    behind the run's latest committed one (then a live peer exists, or existed)."""
+    if env.run_finished() is not None:
+        return True
+    latest = env.latest_step()
+    return latest is not None and latest > state.step
+
+
+def save_in_place(env: WorkerEnv, cfg: Config, t: Training, *, writer: bool, final: bool) -> None:
+    """Every worker reports (Ray's report is a barrier over all of them); one of them, `writer`,
+    with the whole state (one shard: every replica holds all of it, cursors of every partition
+    included), so a resume at any world size, in either mode, reads it."""
+    state = t.state
+    if state.step == env.last_saved_step:  # the final save right after a periodic one
+        return
+    snap = None
+    if writer:
+        snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),
+                        env.world_size, env.provenance, shard=0, shards=1)
+    t0 = time.perf_counter()
+    env.save_checkpoint(snap, state.step, final=final)
+    if writer:
+        env.log_event({"event": "checkpoint", "step": state.step, "final": final,
+                       "blocked_s": time.perf_counter() - t0})

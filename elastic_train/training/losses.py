@@ -1,0 +1,133 @@
+"""What the loop minimises: a loss written as a sum over real targets, with their count.
+
+A loss function is `loss_fn(model, batch) -> (loss_sum, num_targets)`. `batch` is a dict of tensors
+on the model's device (see `data.MicroBatch.to_batch`): `tokens` [B, T] int64 right-padded with the
+tokenizer's pad id, `attention_mask` [B, T] (1 on real tokens), `position_ids` [B, T], `labels`
+[B, T] (the tokens, IGNORE_INDEX on padding, not shifted), `lengths` [B], plus any extra Parquet
+column of the data set (e.g. `label` [B]). The loop divides the gradient by the count of targets
+over all ranks and micro-batches, so every target weighs the same whatever the world size: that
+is why a loss returns a sum, never a mean. (Hugging Face's `model(labels=...)` returns a
+per-micro-batch mean, its known gradient-accumulation bug: never used here.)
+
+The default, `causal_lm_loss`, is next-token cross entropy summed over real targets. For a Hugging
+Face causal LM whose logits are just its output head applied to the last hidden state, the loss is
+computed in chunks along the sequence, each chunk's fp32 logits recomputed in backward, so the
+logits of a large vocabulary never exist whole (128k x 16k tokens would be ~8 GB in fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from elastic_train.data.batches import IGNORE_INDEX
+
+LOSS_CHUNK_TOKENS = 4096  # rows x positions of logits materialised at once
+LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, Any]]
+
+# Hugging Face model types whose logits are `lm_head(last_hidden_state)` and nothing more (no soft
+# capping, no logit scale): the chunked loss is exact for them. Others take the plain path.
+PLAIN_HEAD_MODEL_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gpt2", "gpt_neox",
+    "phi3", "olmo", "olmo2", "smollm3", "starcoder2", "stablelm",
+})
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """A transformers PreTrainedModel (checked by class name: transformers stays optional)."""
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """A model's logits: the output itself, or its `.logits` (Hugging Face style)."""
+    logits = getattr(output, "logits", output)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the model returned {type(output).__name__}: expected logits [B, T, V] "
+                        "or an object with .logits")
+    return logits
+
+
+def forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's logits for a batch: Hugging Face models get the mask and positions too."""
+    if is_hf_model(model):
+        return logits_of(model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"],
+                               position_ids=batch["position_ids"], use_cache=False))
+    return logits_of(model(batch["tokens"]))
+
+
+def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _chunk_width(rows: int, chunk_tokens: int) -> int:
+    return max(1, chunk_tokens // max(rows, 1))
+
+
+def _chunked_hf_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], targets: torch.Tensor,
+                         chunk_tokens: int) -> torch.Tensor:
+    """Cross entropy over the output head applied chunk by chunk to the last hidden state."""
+    hidden = model.base_model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"],
+                              position_ids=batch["position_ids"], use_cache=False)[0][:, :-1]
+    head = model.get_output_embeddings()
+    width = _chunk_width(hidden.shape[0], chunk_tokens)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, hidden.shape[1], width):
+        h, t = hidden[:, i:i + width], targets[:, i:i + width]
+        if torch.is_grad_enabled():  # recompute the chunk's logits in backward, never keep them
+            total = total + checkpoint(_chunk_loss_sum, head, h, t, use_reentrant=False)
+        else:
+            total = total + _chunk_loss_sum(head, h, t)
+    return total
+
+
+def _logits_loss_sum(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Cross entropy from whole logits, upcast to fp32 a chunk at a time."""
+    width = _chunk_width(logits.shape[0], chunk_tokens)
+    total = logits.new_zeros((), dtype=torch.float32)
+    for i in range(0, targets.shape[1], width):
+        chunk = logits[:, i:i + width].float()
+        total = total + F.cross_entropy(chunk.reshape(-1, chunk.shape[-1]),
+                                        targets[:, i:i + width].reshape(-1),
+                                        ignore_index=IGNORE_INDEX, reduction="sum")
+    return total
+
+
+def chunked_head_applies(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return (is_hf_model(model) and getattr(config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES
+            and model.get_output_embeddings() is not None)
+
+
+def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor],
+                   chunk_tokens: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, int]:
+    """Next-token cross entropy summed over real targets, and the number of real targets.
+
+    Row i holds `lengths[i]` real tokens, then padding; target j (token j + 1) is real when
+    j < lengths[i] - 1, which `labels` marks (IGNORE_INDEX on padding).
+    """
+    targets = batch["labels"][:, 1:]
+    num_targets = int((batch["lengths"] - 1).clamp(min=0).sum())
+    if chunked_head_applies(model):
+        return _chunked_hf_loss_sum(model, batch, targets, chunk_tokens), num_targets
+    logits = forward(model, batch)[:, :-1]
+    return _logits_loss_sum(logits, targets, chunk_tokens), num_targets
+
+
+class LossModule(nn.Module):
+    """The model and its loss as one module, so that DDP sees the whole loss in `forward` (its
+    reducer is prepared there) and a loss may call any part of the model, e.g. `base_model`."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn or causal_lm_loss
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        return self.loss_fn(self.model, batch)

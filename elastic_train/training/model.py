@@ -1,0 +1,270 @@
+"""The models: the embedded byte-level GPT, a Hugging Face causal LM, or a user's `nn.Module`.
+
+`build_model(model_cfg, max_seq_len, model_fn)` is the one way the driver and the workers build a
+model: `model_fn` (Python API) if given, else `model_cfg.name`: `gpt`, `hf` (see `hf.py`) or an
+import path "package.module:function" called with `vocab_size`, `max_seq_len` and `model_cfg.kwargs`.
+Initialisation draws from the global torch RNG, so callers fix it with `torch.manual_seed` before
+building: every rank then builds the same weights without a broadcast. Nothing here knows the loss;
+that is `losses.py`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+from elastic_train.config import ModelConfig
+
+BYTE_VOCAB = 256  # the vocabulary of byte-tokenized data (prepare without --tokenizer)
+ModelFn = Callable[..., nn.Module]
+
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention; the mask also hides right padding from real tokens."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
+        dropout_p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False),
+            nn.GELU(),
+            nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False),
+            nn.Dropout(cfg.dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token + learned position embeddings, pre-LN blocks, final LN, head tied to the embedding."""
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, vocab_size: int = BYTE_VOCAB) -> None:
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.gradient_checkpointing = False
+        self.wte = nn.Embedding(vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(max_seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self._init_weights(cfg.n_layer)
+
+    def _init_weights(self, n_layer: int) -> None:
+        # GPT-2: N(0, 0.02), and the projections that write into the residual stream scaled down
+        # by sqrt(2 * n_layer) so the stream's variance does not grow with depth.
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        for block in self.blocks:
+            for proj in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: LongTensor[B, T] -> logits [B, T, vocab]."""
+        t = tokens.shape[1]
+        if t > self.max_seq_len:
+            raise ValueError(
+                f"sequence of {t} tokens is longer than max_seq_len={self.max_seq_len}"
+            )
+        pos = torch.arange(t, device=tokens.device)
+        x = self.drop(self.wte(tokens) + self.wpe(pos))
+        for block in self.blocks:
+            if self.gradient_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)  # non-reentrant: works under DDP
+            else:
+                x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each block's activations in backward instead of keeping them."""
+        self.gradient_checkpointing = True
+
+
+def build_gpt(model_cfg: ModelConfig, max_seq_len: int) -> nn.Module:
+    """The byte-level GPT of `model_cfg`, with positions up to `max_seq_len`."""
+    return GPT(model_cfg, max_seq_len, model_cfg.vocab_size or BYTE_VOCAB)
+
+
+def _build_hf(model_cfg: ModelConfig, max_seq_len: int) -> nn.Module:
+    from elastic_train.training.hf import build_hf_model
+
+    return build_hf_model(model_cfg)
+
+
+MODELS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {"gpt": build_gpt, "hf": _build_hf}
+
+
+def import_factory(path: str) -> ModelFn:
+    """The function named by "package.module:function"; ValueError naming what did not import."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module's
+        raise ValueError(f"model.name: cannot import module '{module_name}' of {path!r}: "
+                         f"{type(exc).__name__}: {exc} (is its folder on PYTHONPATH?)") from None
+    factory: Any = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ValueError(f"model.name: module '{module_name}' has no attribute '{attr}'")
+    if not callable(factory):
+        raise ValueError(f"model.name: {path!r} is not callable")
+    return factory
+
+
+def call_factory(factory: ModelFn, model_cfg: ModelConfig, max_seq_len: int, shown: str) -> nn.Module:
+    """`factory(vocab_size=, max_seq_len=, **kwargs)`, checked to return an nn.Module."""
+    kwargs = {"vocab_size": model_cfg.vocab_size or BYTE_VOCAB, "max_seq_len": max_seq_len,
+              **model_cfg.kwargs}
+    try:
+        model = factory(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - reported with the factory's name
+        raise ValueError(f"model: {shown}({', '.join(kwargs)}) raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: {shown} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def build_model(model_cfg: ModelConfig, max_seq_len: int, model_fn: ModelFn | None = None) -> nn.Module:
+    """The model to train: `model_fn` if given, else the one `model_cfg.name` names.
+
+    ValueError (one message naming the culprit) for an unknown name, an import path that does
+    not import, a factory that raises or returns something that is not a module.
+    """
+    if model_fn is not None:
+        shown = getattr(model_fn, "__qualname__", repr(model_fn))
+        model = call_factory(model_fn, model_cfg, max_seq_len, f"model_fn {shown}")
+    elif model_cfg.name in MODELS:
+        model = MODELS[model_cfg.name](model_cfg, max_seq_len)
+    elif ":" in model_cfg.name:
+        model = call_factory(import_factory(model_cfg.name), model_cfg, max_seq_len, model_cfg.name)
+    else:
+        raise ValueError(f"model.name: unknown model {model_cfg.name!r} (known: "
+                         f"{', '.join(sorted(MODELS))}, or an import path 'package.module:function')")
+    if model_cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model
+
+
+# In-place writes of values (what initialisation does): a meta tensor holds no values, so on one they
+# change nothing; its shape stays. torch.nn.init's functions and the tensor methods alike.
+_VALUE_WRITES = frozenset({
+    "normal_", "uniform_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+    "sparse_", "fill_", "zero_", "copy_", "random_", "bernoulli_", "exponential_", "log_normal_",
+    "geometric_", "cauchy_", "erfinv_", "clamp_", "clamp_min_", "clamp_max_", "add_", "sub_",
+    "mul_", "div_",
+})
+
+
+class _SkipValueWritesOnMeta(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _VALUE_WRITES:
+            target = args[0] if args else kwargs.get("tensor")  # a method's self, init's `tensor`
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
+def build_meta_model(model_cfg: ModelConfig, max_seq_len: int,
+                     model_fn: ModelFn | None = None) -> nn.Module:
+    """`build_model` on the meta device: parameters with their shapes and no memory, for the
+    driver's checks. Initialisation is skipped: it would write no values, and some of its kernels
+    on meta tensors run through torch._refs, whose first use imports torch._dynamo (1.2 s of the
+    command's start-up)."""
+    with torch.device("meta"), _SkipValueWritesOnMeta():
+        return build_model(model_cfg, max_seq_len, model_fn)
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in backward, non-reentrant (reentrant checkpointing breaks DDP)."""
+    hf_new = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5
+    if hf_new is not None:
+        hf_new(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ValueError(f"model.gradient_checkpointing: {type(model).__name__} has no "
+                         "gradient_checkpointing_enable()")
+    if "gradient_checkpointing_kwargs" in inspect.signature(enable).parameters:  # transformers 4
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        enable()
+
+
+def input_embedding_rows(model: nn.Module) -> int | None:
+    """How many token ids the model embeds: its input embedding's rows (None if it has none)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if not isinstance(embedding, nn.Embedding):
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return None if embedding is None else embedding.num_embeddings
+
+
+def token_loss_sum(
+    model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy of right-padded rows, and the number of real targets
+    (`losses.causal_lm_loss` on the batch of `tokens` and `lengths`)."""
+    from elastic_train.data.batches import make_batch
+    from elastic_train.training.losses import (
+        causal_lm_loss,
+    )
+
+    return causal_lm_loss(model, make_batch(tokens, lengths.to(tokens.device)))
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (the tied embedding counts once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_flops_per_token(model_cfg: ModelConfig, seq_len: int, num_parameters: int | None = None) -> float:
+    """Training FLOPs per token: PaLM appendix B, 6 N + 12 L d T, for the embedded GPT; 6 N from
+    the parameter count for any other model (the attention term left out: a lower bound).
+
+    N counts the weights used in matmuls: 12 d^2 per layer plus the (tied) vocab x d head; the
+    position table, layer norms and biases do no matmul and are left out. 12 L d T is the attention
+    score and value matmuls over a context of `seq_len`, forward and backward.
+    """
+    if model_cfg.name != "gpt":
+        return 6.0 * float(num_parameters or 0)
+    n_layer, d = model_cfg.n_layer, model_cfg.d_model
+    n_matmul = 12 * n_layer * d * d + (model_cfg.vocab_size or BYTE_VOCAB) * d
+    return 6.0 * n_matmul + 12.0 * n_layer * d * seq_len

@@ -1,0 +1,246 @@
+"""One training step: forward/backward over a rank's micro-batches, the reduction, the optimizer.
+
+`train_step` -> `accumulate` -> `forward_backward`, each on a screen; tests and benchmarks call
+`train_step` rather than retyping it. `TrainState` is the trainer's own counters, a state like any
+other in the checkpoint. Plain torch and torch.distributed: a 2-process gloo test runs it as is.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_train.data.batches import MicroBatch
+from elastic_train.training.collectives import all_reduce_sum
+from elastic_train.training.optim import (
+    set_lr,
+)
+from elastic_train.training.reduce import ExactGradSum, rescale_grads
+
+
+@dataclass
+class TrainState:
+    """The trainer's own counters; saved in every checkpoint. (epoch, step_in_epoch) is the
+    data position: the next step to train is `step_in_epoch` of `epoch`."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    rows: int = 0  # rows trained (all ranks), for read_amplification
+    eval_step: int = 0  # the step after which the last evaluation ran (0: none yet)
+    best_eval_loss: float | None = None  # the lowest eval loss so far, and its step
+    best_step: int = 0
+    grad_reduce: str = ""  # the reduction the run chose at its first start (config.choose_grad_reduce)
+    # where each partition is in `epoch`: {partition: [window, micro-batches taken]} (blocks.py)
+    cursors: dict[str, list[int]] = field(default_factory=dict)
+
+    def count_step(self, skipped: bool, real: float, padded: float, rows: float,
+                   max_skips: int) -> bool:
+        """Count one trained step (`skipped`: its gradient was non-finite, nothing applied); True
+        when `max_skips` steps in a row were skipped (the non-finite policy acts then)."""
+        self.skipped_steps += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        self.step += 1
+        self.step_in_epoch += 1
+        self.real_tokens += int(real)
+        self.padded_tokens += int(padded)
+        self.rows += int(rows)
+        return self.consecutive_skips >= max_skips
+
+
+class NonFiniteError(RuntimeError):
+    """Gradients stayed non-finite after a rollback: the run stops and names the batch."""
+
+
+def autocast_context(precision: str, device: torch.device):
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def micro_batch_seed(seed: int, step: int, partition: int) -> int:
+    """The RNG seed of one micro-batch (dropout): a function of the step and partition, so that
+    random ops, like the data, do not depend on the world size or on restarts."""
+    return int(np.random.SeedSequence([seed, step, partition]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def dry_rank_batch(template: MicroBatch | None, pad_id: int,
+                   extra_columns: tuple[str, ...] = ()) -> MicroBatch:
+    """A one-row micro-batch for a rank whose partitions ran dry (its loss is multiplied by 0):
+    the first row of a real micro-batch when this process has seen one, so that a user's loss
+    finds its extra columns; else two pad tokens, with zeros in the extra columns."""
+    if template is not None:
+        extras = {k: v[:1] for k, v in template.extras.items()}
+        return MicroBatch(template.partition, template.ids[:1], template.tokens[:1],
+                          template.lengths[:1], extras)
+    tokens = np.full((1, 2), pad_id, dtype=np.int64)
+    extras = {name: np.zeros(1, np.int64) for name in extra_columns}
+    return MicroBatch(-1, np.zeros(1, np.int64), tokens, np.full(1, 2, np.int64), extras)
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """What stays the same from step to step of one attempt: how a step is computed and reduced."""
+
+    device: torch.device
+    world_size: int
+    precision: str = "fp32"
+    grad_clip: float = 1.0
+    seed: int | None = None  # seeds each micro-batch's random ops by (seed, step, partition)
+    scaler: Any = None
+    exact: ExactGradSum | None = None
+    count_targets: bool = False  # the loss counts its own targets (a user's loss_fn)
+    pad_id: int = 0
+    extra_columns: tuple[str, ...] = ()  # the data set's columns beyond id/tokens/length
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    micro_batches: list[MicroBatch],
+    *,
+    setup: StepSetup,
+    global_targets: float,
+    step: int = 0,
+    dry_template: MicroBatch | None = None,
+) -> tuple[torch.Tensor, float]:
+    """Accumulate this rank's share of one global step's gradient: (its loss sum, its targets).
+
+    `model` maps a batch to (loss sum, targets) (`losses.LossModule`, maybe in DDP). The result in
+    `.grad` is the gradient of (total loss / `global_targets`) over the global batch, the same as
+    one process computes on the whole batch. With `setup.exact`, each micro-batch's loss sum is
+    scaled by 1 / global_targets and the gradients summed by `ExactGradSum`. Without it (DDP), by
+    world_size / global_targets, since DDP averages over ranks, and DDP syncs only on the last
+    backward.
+    """
+    exact, scaler = setup.exact, setup.scaler
+    scale = (1.0 if exact is not None else setup.world_size) / max(global_targets, 1.0)
+    if not micro_batches and exact is None:
+        # This rank's partitions ran dry in the epoch's last steps: join DDP's all-reduce with a
+        # zero gradient, through the user's model and loss (DDP's reducer is prepared as usual).
+        with autocast_context(setup.precision, setup.device):
+            dry = dry_rank_batch(dry_template, setup.pad_id, setup.extra_columns)
+            loss_sum, _ = model(dry.to_batch(setup.device))
+        (scaler.scale(loss_sum * 0.0) if scaler is not None else loss_sum * 0.0).backward()
+        return torch.zeros((), dtype=torch.float64, device=setup.device), 0.0
+    total, targets = accumulate(model, micro_batches, setup=setup, scale=scale, step=step)
+    if exact is not None:
+        exact.finish()  # an empty rank joins the all-reduce with zeros
+    return total, targets
+
+
+def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], *, setup: StepSetup,
+               scale: float, step: int) -> tuple[torch.Tensor, float]:
+    """Forward and backward each micro-batch (its loss sum times `scale`), its random ops seeded by
+    (seed, step, partition); with `setup.exact` each gradient goes into the float64 sum at once,
+    in DDP only the last backward syncs. Returns (loss sum in float64, targets)."""
+    ddp = isinstance(model, DistributedDataParallel)
+    exact, scaler, device = setup.exact, setup.scaler, setup.device
+    backward = (lambda x: scaler.scale(x).backward()) if scaler is not None else torch.Tensor.backward
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    targets = 0.0
+    for i, mb in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        if setup.seed is not None:
+            torch.manual_seed(micro_batch_seed(setup.seed, step, mb.partition))
+        with nullcontext() if (last or not ddp) else model.no_sync():
+            with autocast_context(setup.precision, device):
+                loss_sum, n_targets = model(mb.to_batch(device))
+            backward(loss_sum * scale)
+        if exact is not None:
+            exact.add_grads()
+        total += loss_sum.detach().double()
+        targets += float(n_targets)
+    return total, targets
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    grad_clip: float,
+    local_loss: torch.Tensor,
+    device: torch.device,
+) -> tuple[float, float, bool]:
+    """Clip and step unless any rank saw a non-finite gradient: (loss sum, grad norm, skipped)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), grad_clip if grad_clip > 0 else float("inf")
+    )
+    nonfinite = 0.0 if math.isfinite(float(norm)) else 1.0
+    loss_sum, any_nonfinite = all_reduce_sum([float(local_loss), nonfinite], device)
+    if any_nonfinite:
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            # As GradScaler does on an overflow, alike on every rank (one whose own gradient was
+            # finite found no inf): scale * backoff_factor, and growth counting starts again.
+            scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
+            scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
+        return loss_sum, float(norm), True
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return loss_sum, float(norm), False
+
+
+@dataclass
+class StepResult:
+    loss: float  # per target, over the global batch
+    grad_norm: float
+    skipped: bool
+    forward_backward_s: float
+    optimizer_s: float
+
+
+def train_step(
+    model: torch.nn.Module,
+    raw_model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[MicroBatch],
+    *,
+    setup: StepSetup,
+    data_targets: float,
+    step: int,
+    lr: float,
+    dry_template: MicroBatch | None = None,
+    poison: Any = None,
+) -> StepResult:
+    """One optimizer step over this rank's micro-batches of global step `step`.
+
+    `data_targets` is the global count of next-token targets in the data (known before the
+    forward): the gradient is scaled by it as it accumulates, then, if the loss counted its own
+    targets (`setup.count_targets`), corrected by data_targets / the loss's global count, so that
+    the result is d(total loss / total targets) for any loss written as a sum.
+    """
+    set_lr(optimizer, lr)
+    optimizer.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    local_loss, local_targets = forward_backward(
+        model, micro_batches, setup=setup, global_targets=data_targets, step=step,
+        dry_template=dry_template)
+    targets = data_targets
+    if setup.count_targets:
+        (targets,) = all_reduce_sum([local_targets], setup.device)
+        if targets != data_targets:
+            rescale_grads(raw_model, data_targets / max(targets, 1.0))
+    if poison is not None:
+        poison(raw_model)
+    t1 = time.perf_counter()
+    loss_sum, grad_norm, skipped = optimizer_step(
+        raw_model, optimizer, setup.scaler, setup.grad_clip, local_loss, setup.device)
+    return StepResult(loss_sum / max(targets, 1.0), grad_norm, skipped, t1 - t0,
+                      time.perf_counter() - t1)
