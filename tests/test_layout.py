@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "elastic_train"
 # Lowest first: a wing may import itself and the wings before it, never one after it.
 ORDER = ["config", "data", "observe", "training", "recovery", "preflight", "cluster", "top"]
 PURE = ["config", "data", "observe", "training", "recovery", "preflight"]  # no Ray in these
-NO_TORCH = ["config", "data.plan", "data.rowgroups", "observe.report", "observe.summary"]  # Ray Data tasks, `report`
+# Ray Data tasks import plan and rowgroups; `elastic-train report` imports report and summary
+NO_TORCH = ["config", "data.plan", "data.rowgroups", "observe.report", "observe.summary"]
 
 
 def _module(path: Path) -> str:
