@@ -18,7 +18,7 @@ It is the one place that decides, so it closes the race a driver-side request ha
 controller has started: it is on the path to the first step.
 
 All reach into Ray 2.60 internals (the coordinator's `_tick` and its factory, the scaling policy
-classes, and `Trainer._initialize_and_run_controller` in api.py); tests/test_grow_hold.py (the
+classes, and `Trainer._initialize_and_run_controller` in cluster/driver.py); tests/test_grow_hold.py (the
 policy seams), tests/test_elastic.py (the tick) and tests/test_train_ray.py (the factory) fail if
 they move.
 """

@@ -20,7 +20,7 @@ resumed by name continues from them; metrics, events and consumed ids through th
 
 Ray 2.60 replaces a failing replica group in place only while the worker count is unchanged, and
 turns its preemption watcher off in this mode: runs in this mode have a fixed worker count
-(config.py refuses min != max), and a drained node is a death like any other. The driver's side
+(config/validate.py refuses min != max), and a drained node is a death like any other. The driver's side
 (Ray's torchft backend, told apart from a group start and a replacement) is `inplace_ray.py`.
 """
 
