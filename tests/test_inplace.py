@@ -99,7 +99,7 @@ def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference
     joins (rank 0 waits for it after step 16). The test would reclaim the process itself (as a
     cloud reclaims a dead machine) only if that failed, and then fails. No checkpoint until step
     20: a checkpoint is reported to Ray by every worker (a barrier), which would hold the survivor
-    until Ray has replaced the frozen worker (README: in-place recovery)."""
+    until Ray has replaced the frozen worker (docs/in_place_recovery.md)."""
     freezer = Freezer(tmp_path / "frozen", step=8, reclaim_after_s=FENCE_S + MARGIN_S + 60)
     watcher = threading.Thread(target=freezer.watch, daemon=True)
     watcher.start()

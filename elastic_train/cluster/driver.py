@@ -15,18 +15,20 @@ import time
 import ray
 import ray.data
 import ray.train
+import yaml
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic_train.cluster.console import ray_train_logging
+from elastic_train.cluster.failures import BoundedFailurePolicy
 from elastic_train.cluster.nodewatch import (
     CheckpointBeforeGrow,
     ElasticScalingPolicy,
 )
 from elastic_train.cluster.runlog import RunLog
 from elastic_train.cluster.worker import train_worker
-from elastic_train.config import Config
+from elastic_train.config import Config, config_changes
 from elastic_train.data.dataset import DatasetInfo, extra_columns, inspect_dataset
 from elastic_train.data.prepare import default_corpus_dir
 from elastic_train.observe.runfolder import run_uri
@@ -145,7 +147,7 @@ def nccl_env(cfg: Config) -> dict[str, str]:
     """The workers' NCCL settings on a GPU run ({} on CPU): a timed-out collective aborts the
     communicator and fails the attempt (instead of hanging in the kernel), and the flight recorder
     keeps the last collectives of every rank, dumped on a timeout into the run folder's
-    `nccl_trace/rank_<N>` (for remote storage, a local folder on each node, named in the README)."""
+    `nccl_trace/rank_<N>` (for remote storage, a local folder on each node, named in docs/hangs.md)."""
     if not cfg.scaling.use_gpu:
         return {}
     folder = run_uri(cfg)
@@ -192,6 +194,7 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
     )
     trainer.pg_cleaner = pg_cleaner
     trainer.runlog = None if in_place else runlog
+    trainer.failure_runlog, trainer.in_place = runlog, in_place
     return trainer
 
 
@@ -238,12 +241,26 @@ class Trainer(TorchTrainer):
             unused.add("PlacementGroupCleanerCallback")
         return [c for c in super()._create_default_callbacks() if type(c).__name__ not in unused]
 
+    failure_runlog = None  # set: Ray's failure policy is replaced by failures.BoundedFailurePolicy
+    in_place = False
+    controller = None  # Ray Train's controller actor, once fit has started it
+
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         policy = controller_init_kwargs["scaling_policy"]
         if self.runlog is not None and type(policy) is ElasticScalingPolicy:
             controller_init_kwargs["scaling_policy"] = CheckpointBeforeGrow(policy.scaling_config,
                                                                             self.runlog)
+        if self.failure_runlog is not None:
+            controller_init_kwargs["failure_policy"] = BoundedFailurePolicy(
+                self.run_config.failure_config, self.failure_runlog, in_place=self.in_place)
         return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    def _register_sigint_handler(self, controller) -> None:
+        """Keep the controller's handle instead of Ray's SIGINT handler: the driver's own
+        handler (api.py: SIGINT and SIGTERM) ends the run, writes its summary and releases what
+        it holds (runwatch.py). Ray 2.60 calls this from `_initialize_and_run_controller` with
+        the controller it started (tests/test_raycompat.py)."""
+        self.controller = controller
 
 
 def start_runlog(cfg: Config):
@@ -251,6 +268,17 @@ def start_runlog(cfg: Config):
     return RunLog.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
     ).remote(run_uri(cfg), tensorboard=cfg.log.tensorboard)
+
+
+def _changed_keys(old_yaml: str, cfg: Config) -> str:
+    """The keys in which `cfg` differs from a saved config.yaml, "old -> new"."""
+    try:
+        old = yaml.safe_load(old_yaml)
+    except yaml.YAMLError:
+        old = None
+    if not isinstance(old, dict):
+        return "the saved one is not a YAML mapping"
+    return config_changes(old, cfg.to_dict()) or "only in its formatting"
 
 
 def save_config(cfg: Config, runlog) -> None:
@@ -264,8 +292,8 @@ def save_config(cfg: Config, runlog) -> None:
         if old != text:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             ray.get(runlog.write_file.remote(f"config.{stamp}.yaml", old))
-            logger.warning("run %s: config differs from the saved one; kept it as config.%s.yaml",
-                           cfg.run.name, stamp)
+            logger.warning("run %s: config differs from the saved one (%s); kept it as "
+                           "config.%s.yaml", cfg.run.name, _changed_keys(old, cfg), stamp)
     ray.get(runlog.write_file.remote("config.yaml", text))
     path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
     identity = data_identity(cfg, inspect_dataset(path))  # what check_resumable compares with

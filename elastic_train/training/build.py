@@ -49,7 +49,7 @@ class ModelTooLargeError(RuntimeError):
 def check_fits_device(model: torch.nn.Module, cfg: Config, device: torch.device,
                       grad_reduce: str) -> None:
     """On a GPU, refuse a model whose weights, gradients, optimizer state and reduction buffers
-    (of `grad_reduce`, the resolved reduction) alone exceed the device's memory (README: "How
+    (of `grad_reduce`, the resolved reduction) alone exceed the device's memory (docs/performance.md: "How
     large a model fits")."""
     if device.type != "cuda":
         return

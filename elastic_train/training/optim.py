@@ -80,7 +80,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 # Bytes per parameter a data-parallel rank holds besides activations: fp32 weights (4) and
 # gradients (4), the optimizer's state, the reduction's buffers (exact: a float64 sum, 8; ddp:
 # DDP's fp32 buckets, 4) and a communication hook's state (PowerSGD's error feedback, 4; its P and
-# Q are small). README's table says the same.
+# Q are small). docs/performance.md's table says the same.
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw8bit": 2.0}
 REDUCTION_BUFFER_BYTES = {"exact": 8.0, "ddp": 4.0}
 COMM_HOOK_STATE_BYTES = {"powersgd": 4.0}
