@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,20 +21,32 @@ import ray
 import ray.data
 import ray.train
 
+from elastic_train.cluster.capacity import check_capacity, wait_note
 from elastic_train.cluster.console import RAY_LOG, ray_console, route_forwarded_lines
 from elastic_train.cluster.cpushare import TrainFirst
 from elastic_train.cluster.driver import build_trainer, init_ray, save_config, ship_by_value, start_runlog
+from elastic_train.cluster.failures import Failure, describe_failure
 from elastic_train.cluster.nodewatch import (
     NodeWatcher,
     start_coordinator,
 )
 from elastic_train.cluster.runlog import poll_progress
+from elastic_train.cluster.runwatch import (
+    RunStopped,
+    RunWatch,
+    StopSignals,
+    abort_controller,
+    cancel_resource_request,
+)
 from elastic_train.config import Config
 from elastic_train.data.dataset import DatasetInfo
 from elastic_train.observe import provenance
+from elastic_train.observe.progress import Progress
 from elastic_train.observe.runfolder import run_uri, split_uri
 from elastic_train.observe.summary import build_summary
+from elastic_train.preflight.finished import finished_message, finished_run
 from elastic_train.preflight.inputs import check_inputs, data_tables
+from elastic_train.preflight.packages import check_packages
 from elastic_train.training.losses import LossFn
 from elastic_train.training.model import ModelFn
 
@@ -47,44 +60,74 @@ class TrainResult:
     summary: dict[str, Any]
     run_dir: str
     checkpoint_path: str | None
+    note: str | None = None  # set when nothing was trained: why (an already finished run)
 
 
 def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None = None,
-          progress=None, verbose: bool = False) -> TrainResult:
+          progress: Progress | bool = True, verbose: bool = False) -> TrainResult:
     """Train (or resume) the run described by `cfg`; returns its summary and last checkpoint.
 
     `model_fn(vocab_size=, max_seq_len=, **model.kwargs) -> nn.Module` replaces `model.name`, and
     `loss_fn(model, batch) -> (loss_sum, num_targets)` the default next-token cross entropy
     (see `losses.py`); both are shipped to the workers by Ray (cloudpickle), so a driver script
-    may define them inline. Inputs are checked before any worker starts (ConfigError). A run that
+    may define them inline. Inputs are checked before any worker starts (ConfigError), and so is
+    the cluster's room for scaling.min_workers once Ray runs (runwatch.py bounds the wait on a
+    cluster that can grow).
+
+    `progress`: True (the default) shows the run's progress as `elastic-train train` does, in
+    the way `log.progress` says (auto: a bar on a terminal, else a line every
+    `log.print_every_steps` steps; none: nothing); False shows none; or pass an
+    `observe.progress.Progress` of your own. Each failure of a worker is one line on stderr.
+
+    A run already finished for this config (preflight/finished.py) is not run again: its
+    summary comes back with `note` saying how to train on, and no file of it changes. A run that
     fails on the cluster still writes summary.json with status "failed" and the reason, then
-    raises TrainingFailed. Ray's INFO logging goes to the run folder's ray.log, not the screen,
-    unless `verbose` (see console.py).
+    raises TrainingFailed; stopped by SIGINT or SIGTERM (`ray job stop`), summary.json says
+    "stopped" and TrainingStopped is raised; either way what the run holds in Ray is released.
+    Ray's INFO logging goes to the run folder's ray.log, not the screen, unless `verbose` (see
+    console.py).
     """
     startup = {"process_start": psutil.Process().create_time(), "train_call": time.time()}
+    check_packages(cfg)  # first: the model check below would import them
     info = check_inputs(cfg, model_fn)
+    done = finished_run(cfg)
+    if done is not None:
+        note = finished_message(cfg, done)
+        logger.warning(note)
+        return TrainResult(done, run_uri(cfg), f"{run_uri(cfg)}/{done['checkpoint']}", note)
+    if progress is True:
+        progress = Progress(cfg.train.max_steps, cfg.log.progress, cfg.log.print_every_steps)
     for fn in (model_fn, loss_fn):
         ship_by_value(fn)
     startup["checks_done"] = time.time()
-    with ray_console(verbose) as ray_log:
-        started_here = init_ray(cfg)
+    with ray_console(verbose) as ray_log, StopSignals() as stop:
+        try:
+            started_here = init_ray(cfg)
+        except RunStopped as exc:
+            raise TrainingStopped(exc.signal_name, {}) from None
         unroute = route_forwarded_lines(ray_log, verbose)
         try:
-            return _run(cfg, info, model_fn, loss_fn, progress, verbose, ray_log, startup,
-                        local=started_here)
+            check_capacity(cfg, started_here)
+            return _run(cfg, info, model_fn, loss_fn, progress or None, verbose, ray_log, startup,
+                        local=started_here, stop=stop)
+        except RunStopped as exc:  # before the fit began: nothing to summarise
+            raise TrainingStopped(exc.signal_name, {}) from None
         finally:
+            stop.disarm()
             if started_here:
                 ray.shutdown()  # first: it stops the thread that forwards lines
             unroute()
 
 
 def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: LossFn | None,
-         progress, verbose: bool, ray_log, startup: dict[str, float], local: bool) -> TrainResult:
+         progress, verbose: bool, ray_log, startup: dict[str, float], local: bool,
+         stop: StopSignals) -> TrainResult:
     """`train` on a running Ray (`local`: a cluster started for this run): the RunLog actor, the
-    trainer, fit, summary.json."""
+    trainer, fit, summary.json, and the release of what the run held."""
     start = startup["ray_ready"] = time.time()
     start_coordinator()
     runlog = start_runlog(cfg)
+    trainer = None
     try:
         folder = ray.get(runlog.local_folder.remote())  # a remote run's staging copy, uploaded by flush
         ray_log.open(os.path.join(folder, RAY_LOG))
@@ -95,35 +138,75 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
                                 pg_cleaner=not local or cfg.run.dashboard)
         startup["fit_call"] = time.time()
         ray.get(runlog.log_event.remote({"event": "fit_start", "driver_startup": startup}))
-        error, checkpoint_path = None, None
-        if progress is not None:
-            progress.start(runlog, poll=functools.partial(poll_progress, runlog))
-        elastic = cfg.scaling.min_workers < cfg.scaling.max_workers
-        watcher = NodeWatcher().start() if elastic else None
-        train_first = TrainFirst().start() if local and cfg.run.train_first else None
-        try:
-            result = trainer.fit()
-            checkpoint_path = result.checkpoint.path if result.checkpoint else None
-        except ray.train.TrainingFailedError as exc:
-            error = _short_reason(exc)
-        finally:
-            if progress is not None:
-                progress.stop()
-            if watcher is not None:
-                watcher.stop()
-            if train_first is not None:
-                train_first.stop()
-                ray.get(runlog.log_event.remote({"event": "cpu_share", **train_first.changed}))
+        outcome = _fit(cfg, trainer, runlog, progress, local, stop)
         fatal = ray.get(runlog.progress.remote())["fatal"]
-        summary = build_summary(folder, start_time=start, error=fatal or error)
+        summary = build_summary(folder, start_time=start, error=fatal or outcome.error)
+        if outcome.stopped:
+            summary["status"], summary["reason"] = "stopped", f"stopped by {outcome.stopped}"
         summary["provenance"] = record
         ray.get(runlog.write_file.remote("summary.json", json.dumps(summary, indent=2)))
+        ray.get(runlog.end_attempt.remote({"cause": summary["status"]}))
         ray.get(runlog.flush.remote())
+        if outcome.stopped:
+            raise TrainingStopped(outcome.stopped, summary)
         if summary["status"] != "finished":
+            if outcome.failure is not None and outcome.failure.traceback and not fatal:
+                print(f"the failing worker's error (rank {outcome.failure.rank}):\n"
+                      f"{outcome.failure.traceback}", file=sys.stderr, flush=True)
             raise TrainingFailed(summary["reason"], summary)
-        return TrainResult(summary, run_uri(cfg), checkpoint_path)
+        return TrainResult(summary, run_uri(cfg), outcome.checkpoint_path)
     finally:
+        if trainer is not None:
+            abort_controller(trainer.controller)  # a run that did not end by itself
         ray.kill(runlog)
+
+
+@dataclass
+class _Outcome:
+    """How a fit ended."""
+
+    checkpoint_path: str | None = None
+    error: str | None = None  # one line: why it failed
+    failure: Failure | None = None  # ... as Ray Train said it
+    stopped: str | None = None  # the signal that stopped it
+
+
+def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals) -> _Outcome:
+    """trainer.fit(), with the driver's threads around it: progress, the run watch (a line
+    per failure; the wait for workers bounded), the node watcher of an elastic run, CPU
+    priorities. Ray Train's resource request is withdrawn as soon as the fit is over."""
+    outcome = _Outcome()
+    if progress is not None:
+        progress.start(runlog, poll=functools.partial(poll_progress, runlog))
+    watch = RunWatch(cfg, runlog, abort=lambda: abort_controller(trainer.controller),
+                     describe_wait=lambda: wait_note(cfg)).start()
+    elastic = cfg.scaling.min_workers < cfg.scaling.max_workers
+    watcher = NodeWatcher().start() if elastic else None
+    train_first = TrainFirst().start() if local and cfg.run.train_first else None
+    try:
+        result = trainer.fit()
+        outcome.checkpoint_path = result.checkpoint.path if result.checkpoint else None
+    except ray.train.TrainingFailedError as exc:
+        outcome.failure = describe_failure(exc)
+        outcome.error = watch.reason or _reason(outcome.failure) or _short_reason(exc)
+    except RunStopped as exc:
+        outcome.stopped = exc.signal_name
+    except ray.exceptions.RayError:
+        if watch.reason is None:
+            raise
+        outcome.error = watch.reason  # the watch aborted the controller
+    finally:
+        stop.disarm()
+        cancel_resource_request(trainer.train_run_context.run_id)
+        if progress is not None:
+            progress.stop()
+        watch.stop()
+        if watcher is not None:
+            watcher.stop()
+        if train_first is not None:
+            train_first.stop()
+            ray.get(runlog.log_event.remote({"event": "cpu_share", **train_first.changed}))
+    return outcome
 
 
 class TrainingFailed(RuntimeError):
@@ -134,10 +217,28 @@ class TrainingFailed(RuntimeError):
         self.summary = summary
 
 
+class TrainingStopped(TrainingFailed):
+    """The driver was stopped by a signal (`signal_name`: SIGINT or SIGTERM); summary.json says
+    "stopped" ({} if the fit had not begun)."""
+
+    def __init__(self, signal_name: str, summary: dict[str, Any]) -> None:
+        super().__init__(f"stopped by {signal_name}", summary)
+        self.signal_name = signal_name
+
+
+def _reason(failure: Failure) -> str | None:
+    """One line for the summary: which rank, where, what."""
+    if failure.rank is None:
+        return failure.cause
+    where = f" on node {failure.node}" if failure.node else ""
+    return f"rank {failure.rank}{where}: {failure.cause}"
+
+
 def _short_reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     errors = [line for line in text if "Error" in line]
     return (errors[-1] if errors else (text[-1] if text else type(exc).__name__))[:500]
 
 
-__all__ = ["TrainResult", "TrainingFailed", "check_inputs", "run_uri", "split_uri", "train"]
+__all__ = ["TrainResult", "TrainingFailed", "TrainingStopped", "check_inputs", "run_uri", "split_uri",
+           "train"]

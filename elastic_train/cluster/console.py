@@ -17,10 +17,20 @@ Ray's output reaches a driver three ways:
   Ray chatter (`is_ray_chatter`): lines in Ray's log formats below WARNING (Ray Core, Ray's
   Python loggers), the few INFO lines that escape or lose their level (Ray Train's per-report
   line, Ray Data's per-dataset lines in workers), and one ERROR that is Ray's own and harmless.
+- Nor do Ray's reports of a failure (`FailureReports`): tracebacks of the controller and the
+  workers, the raylet's "A worker died or was killed" with its advice on the OOM killer. A killed
+  worker put ~50 such lines on the screen, and no line said what happened: runwatch.py prints
+  one line per failure instead, and a run that fails for good shows the failing worker's
+  traceback (api.py).
+- Two WARNINGs of Ray's that say nothing to a user of a run (`RAY_NOISE`): token authentication
+  being on, and "Found multiple active Ray instances" (40 of 57 lines of one job's log), from
+  the driver's loggers or forwarded.
 
-The forwarded lines are taken from Ray's private dispatcher: the one reach into Ray's internals
-here, read from Ray 2.60 (`ray/_private/ray_logging/__init__.py`, `ray/_private/worker.py`). If a
-later Ray moves it, `route_forwarded_lines` raises and tests/test_console.py fails.
+The forwarded lines are taken from Ray's private dispatcher, and the errors Ray publishes to the
+driver (the raylet's word on a dead worker) from the function that prints them,
+`ray._private.worker.print_to_stdstream`: the reaches into Ray's internals here, read from Ray
+2.60 (`ray/_private/ray_logging/__init__.py`, `ray/_private/worker.py`: `listen_error_messages`).
+If a later Ray moves them, `route_forwarded_lines` raises and tests/test_console.py fails.
 """
 
 from __future__ import annotations
@@ -56,13 +66,51 @@ _RAY_DATA_INFO = re.compile(r"^Starting execution of Dataset \S+\.|^Execution pl
 _PREEMPTION_WATCHER_ARGS = ("'PreemptionWatcher'", "constructor arguments in the object store")
 
 
+RAY_NOISE = ("Found multiple active Ray instances", "Token authentication is enabled for this Ray",
+             "Token authentication is disabled for this Ray")
+# The first line of a report of Ray's on a failure: a traceback, Ray Train's worker error and its
+# controller's failed shutdown, the raylet's word on a dead worker.
+_FAILURE_REPORT = re.compile(r"^(Traceback \(most recent call last\):|Error in training function:|"
+                             r"Graceful shutdown of backend failed|Error in control loop iteration|"
+                             r"A worker died or was killed while executing)")
+# ... and the lines that go on one: indented (frames, Ray's actor fields), carets, exception lines,
+# chained-exception headers, blank lines.
+_REPORT_GOES_ON = re.compile(r"^(\s|$|\^|[\w.]+(Error|Exception|Interrupt|Exit)\b|During handling|"
+                             r"The above exception|The actor is dead because|Traceback )")
+
+
+class FailureReports:
+    """Which forwarded lines belong to a report of Ray's on a failure (see the module
+    docstring), per process: a report starts at a line of `_FAILURE_REPORT` and goes on while the
+    lines look like a traceback's."""
+
+    def __init__(self) -> None:
+        self._in_report: dict[Any, bool] = {}
+
+    def hides(self, source: Any, line: str) -> bool:
+        if _FAILURE_REPORT.match(line):
+            self._in_report[source] = True
+        elif self._in_report.get(source) and not _REPORT_GOES_ON.match(line):
+            self._in_report[source] = False
+        return self._in_report.get(source, False)
+
+
+class _NoiseFilter(logging.Filter):
+    """Keeps RAY_NOISE off a console handler of the driver's Ray loggers."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(noise in message for noise in RAY_NOISE)
+
+
 def is_ray_chatter(line: str) -> bool:
     """A forwarded line that belongs in ray.log only: Ray's INFO (or DEBUG) log lines, in its
     Python or C++ format, the INFO lines of Ray Train and Ray Data that reach the driver without
     their level, and the harmless PreemptionWatcher error."""
     return bool(_RAY_PY_BELOW_WARNING.search(line) or _RAY_CC_BELOW_WARNING.match(line)
                 or line.startswith(_REPORT_INFO) or _RAY_DATA_INFO.search(line)
-                or all(part in line for part in _PREEMPTION_WATCHER_ARGS))
+                or all(part in line for part in _PREEMPTION_WATCHER_ARGS)
+                or any(noise in line for noise in RAY_NOISE))
 
 
 def ray_train_logging(verbose: bool):
@@ -139,6 +187,7 @@ def route_forwarded_lines(log: RayLog, verbose: bool) -> Callable[[], None]:
         if index is None:
             return lambda: None
         ray_print = handlers[index][1]
+        reports = FailureReports()
 
         def route(data: dict[str, Any]) -> None:
             if data.get("pid") == "autoscaler":
@@ -146,17 +195,36 @@ def route_forwarded_lines(log: RayLog, verbose: bool) -> Callable[[], None]:
                 ray_print(data)
                 return
             log.write(forwarded_lines(data))
-            shown = [line for line in data.get("lines", []) if verbose or not is_ray_chatter(line)]
+            source = (data.get("ip"), data.get("pid"))
+            shown = [line for line in data.get("lines", []) if verbose or not (
+                reports.hides(source, line) or is_ray_chatter(line))]
             if shown:
                 ray_print({**data, "lines": shown})
 
         # Replaced under Ray's own name: ray.shutdown removes it by that name as it would Ray's.
         dispatcher.handlers = [*handlers[:index], (_RAY_PRINT_HANDLER, route), *handlers[index + 1:]]
 
+    import ray._private.worker as ray_worker
+
+    print_error = ray_worker.print_to_stdstream
+
+    def route_error(data: dict[str, Any], ignore_prefix: bool) -> None:
+        """Errors Ray publishes to the driver (`listen_error_messages`): to ray.log, and to the
+        screen unless they are a report of a failure (runwatch.py prints its own line)."""
+        log.write(forwarded_lines(data))
+        shown = [line for line in data.get("lines", []) if verbose or not (
+            reports.hides("published", line) or is_ray_chatter(line))]
+        if shown:
+            print_error({**data, "lines": shown}, ignore_prefix=ignore_prefix)
+
+    ray_worker.print_to_stdstream = route_error
+
     def undo() -> None:
         with dispatcher._lock:
             dispatcher.handlers = [(name, ray_print if handler is route else handler)
                                    for name, handler in dispatcher.handlers]
+        if ray_worker.print_to_stdstream is route_error:
+            ray_worker.print_to_stdstream = print_error
 
     return undo
 
@@ -176,6 +244,7 @@ def ray_console(verbose: bool) -> Iterator[RayLog]:
 
     log = RayLog()
     saved: list[tuple[logging.Handler, int]] = []
+    noise = _NoiseFilter()
     loggers = [logging.getLogger(name) for name in DRIVER_RAY_LOGGERS]
     for logger in loggers:
         if not verbose:
@@ -184,6 +253,7 @@ def ray_console(verbose: bool) -> Iterator[RayLog]:
                     continue  # one handler on both loggers (after a ray.init): its level once
                 saved.append((handler, handler.level))
                 handler.setLevel(max(handler.level, logging.WARNING))
+                handler.addFilter(noise)
         logger.addHandler(log)
     try:
         yield log
@@ -192,4 +262,5 @@ def ray_console(verbose: bool) -> Iterator[RayLog]:
             logger.removeHandler(log)
         for handler, level in saved:
             handler.setLevel(level)
+            handler.removeFilter(noise)
         log.close()

@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import ray
 
+from elastic_train.cluster.raycompat import committed_step
 from elastic_train.cluster.raymetrics import RunMetrics
 from elastic_train.observe.runfolder import split_uri
 from elastic_train.observe.tb import TensorBoardWriter
@@ -97,13 +98,21 @@ class RunLog:
         self.last_logged: dict[str, tuple[int, int]] = {}  # ... "step"/"eval": its (attempt, step)
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
+        # this driver's session: its first attempt resumes the run if an earlier driver's began one
+        self.session, self.session_attempts = time.time(), 0
+        self.failures: list[dict[str, Any]] = []  # every failure the failure policy saw (failures.py)
+        self.rank_nodes: dict[int, str] = {}  # each rank's node, from the events its worker logs
         # The driver starts the RunLog as the fit starts; the run folder is `<storage>/<run.name>`.
         self.metrics = RunMetrics(run_name=Path(self.folder.remote_path).name, start_time=time.time())
 
     def begin_attempt(self, world_size: int) -> int:
-        """Record a new attempt (a start or restart of the worker group); return its index."""
+        """Record a new attempt (a start or restart of the worker group); return its index. Its
+        `cause`: start (the run's first), resume (a new driver's first: the user ran it again) or
+        restart (after a failure)."""
+        cause = "start" if not self.attempts else "restart" if self.session_attempts else "resume"
+        self.session_attempts += 1
         self.attempts.append({"attempt": len(self.attempts), "world_size": world_size,
-                              "start_time": time.time()})
+                              "start_time": time.time(), "cause": cause, "session": self.session})
         self.folder.write("attempts.json", json.dumps(self.attempts))
         self.metrics.on_attempt(len(self.attempts) - 1, world_size)
         return len(self.attempts) - 1
@@ -157,9 +166,42 @@ class RunLog:
         self.finished_step = step if self.finished_step is None else max(self.finished_step, step)
 
     def run_state(self) -> dict[str, Any]:
-        """The step the run finished at (None while it trains) and the latest logged step."""
+        """The step the run finished at (None while it trains) and the latest logged step (and
+        its (attempt, step): `latest`)."""
+        latest = None if self.latest is None else (self.latest["attempt"], self.latest["step"])
         return {"finished_step": self.finished_step, "replacements": self.replacements,
-                "latest_step": None if self.latest is None else self.latest["step"]}
+                "latest_step": None if self.latest is None else self.latest["step"],
+                "latest": latest}
+
+    def record_failure(self, record: dict[str, Any]) -> None:
+        """A failure the failure policy saw (failures.py): the attempt it ended gets its `end`
+        (cause, rank, node, the step it got to, the last committed step) in attempts.json, unless
+        in place (a replacement joins the attempt), and the run's events get it."""
+        record = {"time": time.time(), **record}
+        if record.get("rank") is not None and not record.get("node"):
+            record["node"] = self.rank_nodes.get(record["rank"])
+        try:
+            record["committed_step"] = committed_step(self.folder.fs, self.folder.remote_path)
+        except Exception:  # a snapshot Ray is rewriting; the attempt's end says so
+            record["committed_step"] = None
+        current = self.attempts[-1] if self.attempts else None
+        if (current is not None and current.get("session") == self.session and "end" not in current
+                and record["kind"] not in ("start", "start_timeout")):
+            record["attempt"] = current["attempt"]
+            latest = self.latest if self.latest and self.latest["attempt"] == current["attempt"] else None
+            record["step"] = latest["step"] if latest else None
+            if not record.get("in_place"):
+                self.end_attempt({k: record.get(k) for k in ("cause", "rank", "node", "step",
+                                                             "committed_step")})
+        self.failures.append(record)
+        self.log_event({"event": "failure", **record})
+
+    def end_attempt(self, end: dict[str, Any]) -> None:
+        """The current attempt ended (a failure, or the run's end: finished, stopped)."""
+        current = self.attempts[-1] if self.attempts else None
+        if current is not None and current.get("session") == self.session and "end" not in current:
+            current["end"] = {"time": time.time(), **end}
+            self.folder.write("attempts.json", json.dumps(self.attempts))
 
     def log_step(self, record: dict[str, Any]) -> None:
         self.latest = record
@@ -204,6 +246,8 @@ class RunLog:
                            [json.dumps(line) for line in lines])
 
     def log_event(self, record: dict[str, Any]) -> None:
+        if isinstance(record.get("rank"), int) and record.get("node"):
+            self.rank_nodes[record["rank"]] = record["node"]
         self.folder.append("events.jsonl", [json.dumps({"time": time.time(), **record})])
 
     def claim_fault(self, key: str) -> bool:
@@ -241,7 +285,7 @@ class RunLog:
 
     def progress(self) -> dict[str, Any]:
         return {"latest": self.latest, "latest_eval": self.latest_eval, "attempts": self.attempts,
-                "fatal": self.fatal}
+                "fatal": self.fatal, "failures": self.failures}
 
     def local_folder(self) -> str:
         return str(self.folder.local)

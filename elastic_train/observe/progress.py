@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_train.observe.stragglers import RANK_BUSY, STRAGGLER_RATIO, straggler
+from elastic_train.observe.summary import attempt_counts
 
 
 def _eta_s(history: list[tuple[float, int]], step: int, max_steps: int) -> float | None:
@@ -30,7 +31,7 @@ def format_line(latest: dict[str, Any], attempts: list[dict], max_steps: int, et
     return (f"step {latest['step']}/{max_steps} epoch {latest['epoch']} "
             f"loss {latest['loss']:.4f} {evaluated}lr {latest['lr']:.2e} "
             f"tok/s {latest['tokens_per_s']:.0f} workers {latest['world_size']} "
-            f"restarts {max(len(attempts) - 1, 0)} eta {eta}{_straggler_note(latest)}")
+            f"restarts {attempt_counts(attempts)['restarts']} eta {eta}{_straggler_note(latest)}")
 
 
 def _straggler_note(latest: dict[str, Any]) -> str:

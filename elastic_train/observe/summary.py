@@ -169,7 +169,7 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
         "padding_efficiency": real / padded if padded else None,
         "wall_s": wall,
         "tokens_per_s": fit_real / wall if wall > 0 else None,
-        "restarts": max(len(attempts) - 1, 0),
+        **attempt_counts(attempts),
         "world_sizes": [a["world_size"] for a in attempts],
         "skipped_steps": last.get("skipped_steps", 0),
         "replayed_steps": len(records) - len(effective),
@@ -185,6 +185,14 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
     summary.update(read_figures(events, sum(r.get("rows", 0) for r in effective.values())))
     summary.update(rank_figures(records, events))
     return summary
+
+
+def attempt_counts(attempts: list[dict]) -> dict[str, int]:
+    """`restarts`: attempts begun after a failure; `resumes`: attempts begun by a new driver
+    (the user ran the run again). attempts.json written before attempts had a `cause`: every
+    attempt but the first was a restart."""
+    causes = [a.get("cause", "start" if i == 0 else "restart") for i, a in enumerate(attempts)]
+    return {"restarts": causes.count("restart"), "resumes": causes.count("resume")}
 
 
 def reduce_figures(events: list[dict]) -> dict:

@@ -1,0 +1,223 @@
+"""The driver's watch over a fit: one console line per failure, the wait for workers shown and
+bounded, and what a run holds in Ray released when it ends, however it ends.
+
+`RunWatch` is a thread that polls the RunLog (what the failure policy recorded, the attempts):
+
+- one line per failure: which rank on which node, the cause, the step it got to, and the
+  checkpoint the next attempt resumes from at which size (printed once that attempt begins; a
+  failure that ends the run says so at once). Ray's own tracebacks go to ray.log (console.py).
+- while no worker group of this fit runs (before the first, after a failure), what it waits for,
+  every `WAIT_LINE_EVERY_S`; after `scaling.start_timeout_s` it ends the run, naming the shortfall.
+  Ray Train's elastic policy waits for its minimum without raising anything, and its fixed-size
+  policy retries start-up timeouts forever: this is the one bound over both.
+
+`release` is what a run holds beyond its processes: Ray Train's controller (aborted: its worker
+group and placement group go with it) and the controller's resource request to Ray's autoscaling
+coordinator, a detached actor that outlives the run. Left there, that request reserved the
+cluster's CPUs for a run that was gone: an elastic run started next on a 2-CPU head saw "ready
+resources for 0 workers" for 136-158 s (the request expires 180 s after its last renewal, Ray
+2.60's AUTOSCALING_REQUESTS_EXPIRE_TIME_S). Requester id and coordinator are read from Ray 2.60
+(`train-<run_id>`, scaling_policy.py; nodewatch.COORDINATOR); tests/test_runend.py fails if they
+move.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from elastic_train.cluster.nodewatch import COORDINATOR
+from elastic_train.config import Config
+
+logger = logging.getLogger("elastic_train")
+
+WAIT_LINE_EVERY_S = 30.0
+FIRST_WAIT_LINE_S = 45.0  # a worker group's normal start (~15 s cold, on 2 cores) says nothing
+RESUME_LINE_WAIT_S = 30.0  # a failure line waits this long for the next attempt's size
+RAY_CALL_TIMEOUT_S = 10.0
+
+
+def failure_line(failure: dict[str, Any], next_attempt: dict[str, Any] | None) -> str:
+    """One line for a failure the RunLog recorded (failures.py), and what came of it."""
+    who = f"rank {failure['rank']}" if failure.get("rank") is not None else "the worker group"
+    where = f" on node {failure['node']}" if failure.get("node") else ""
+    at = f" at step {failure['step']}" if failure.get("step") is not None else ""
+    attempt = f"attempt {failure['attempt']}: " if failure.get("attempt") is not None else ""
+    line = f"{attempt}{who}{where} failed{at}: {failure['cause']}"
+    committed = failure.get("committed_step")
+    start = f"checkpoint of step {committed}" if committed is not None else "the start (no checkpoint)"
+    if failure.get("decision") == "give_up":
+        repeats = failure.get("repeats", 1)
+        again = f" ({repeats} times in a row without a step)" if repeats > 1 else ""
+        return f"{line}{again}; giving up"
+    if failure.get("in_place"):
+        return f"{line}; the others train on, a replacement joins in place"
+    if next_attempt is not None:
+        return f"{line}; resumed from the {start} with {next_attempt['world_size']} workers"
+    return f"{line}; restarting from the {start}"
+
+
+class RunWatch:
+    """See the module docstring. `describe_wait()` says what the run waits for (capacity.py);
+    `abort()` ends the fit."""
+
+    def __init__(self, cfg: Config, runlog, abort: Callable[[], None],
+                 describe_wait: Callable[[], str], stream=None, interval_s: float = 0.5,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cfg, self.runlog, self.abort, self.describe_wait = cfg, runlog, abort, describe_wait
+        self.stream = stream or sys.stderr
+        self.interval_s, self.clock = interval_s, clock
+        self.reason: str | None = None  # set if it ended the run
+        self.printed: set[int] = set()
+        self._fit_start = clock()
+        self._last_wait_line = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="run-watch")
+
+    def start(self) -> RunWatch:
+        self._fit_start = self.clock()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.poll(final=True)  # the lines of failures recorded since the last poll
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def _print(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
+
+    def poll(self, final: bool = False) -> None:
+        try:
+            state = ray.get(self.runlog.progress.remote(), timeout=RAY_CALL_TIMEOUT_S)
+        except Exception:  # the RunLog is gone at the end
+            return
+        now = self.clock()
+        attempts = [a for a in state["attempts"] if a["start_time"] >= self._fit_start]
+        for i, failure in enumerate(state.get("failures", [])):
+            if i in self.printed or failure["kind"] == "start_timeout":
+                continue
+            later = [a for a in attempts if a["start_time"] > failure["time"]]
+            if (later or final or failure.get("decision") == "give_up" or failure.get("in_place")
+                    or now - failure["time"] > RESUME_LINE_WAIT_S):
+                self.printed.add(i)
+                self._print(failure_line(failure, later[0] if later else None))
+        if not final:
+            self._watch_start(attempts, now)
+
+    def _watch_start(self, attempts: list[dict], now: float) -> None:
+        """While no worker group runs: show the wait, end it after scaling.start_timeout_s."""
+        if attempts and "end" not in attempts[-1]:
+            return
+        since = attempts[-1]["end"]["time"] if attempts else self._fit_start
+        waited = now - since
+        timeout = self.cfg.scaling.start_timeout_s
+        if waited >= timeout and self.reason is None:
+            self.reason = (f"no room for the run's workers within scaling.start_timeout_s="
+                           f"{timeout:g}: {self.describe_wait()}")
+            self._print(f"giving up: {self.reason}")
+            self.abort()
+        elif waited >= FIRST_WAIT_LINE_S and now - self._last_wait_line >= WAIT_LINE_EVERY_S:
+            self._last_wait_line = now
+            self._print(f"waiting for workers ({waited:.0f} s of scaling.start_timeout_s="
+                        f"{timeout:g}): {self.describe_wait()}")
+
+
+def abort_controller(controller) -> None:
+    """Abort Ray Train's controller (its worker group, placement group and resource request go
+    with it); nothing if it has ended already."""
+    if controller is None:
+        return
+    try:
+        ray.get(controller.abort.remote(), timeout=RAY_CALL_TIMEOUT_S)
+    except Exception:  # abort ends the actor: its own call may see it die; or it was gone
+        pass
+
+
+def cancel_resource_request(run_id: str | None) -> bool:
+    """Withdraw the run's request from Ray's autoscaling coordinator (Ray Train's controller
+    does on a graceful end; a driver killed by `ray job stop` gives it no chance). True if a
+    coordinator answered."""
+    if run_id is None:
+        return False
+    try:
+        coordinator = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+        ray.get(coordinator.cancel_request.remote(requester_id=f"train-{run_id}"),
+                timeout=RAY_CALL_TIMEOUT_S)
+        return True
+    except Exception as exc:  # no coordinator (never started) or the cluster is going
+        logger.info("could not withdraw the run's resource request: %s", exc)
+        return False
+
+
+def open_requests() -> list[str]:
+    """The requester ids with a live request at Ray's autoscaling coordinator (for tests and
+    the operations page)."""
+    try:
+        coordinator = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+    except ValueError:
+        return []
+    return ray.get(coordinator.__ray_call__.remote(lambda self: sorted(self._ongoing_reqs)),
+                   timeout=RAY_CALL_TIMEOUT_S)
+
+
+class RunStopped(KeyboardInterrupt):
+    """The driver got SIGINT or SIGTERM (`ray job stop` sends SIGTERM) while a run was on."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+class StopSignals:
+    """While entered (in the main thread): SIGINT and SIGTERM raise RunStopped in the main
+    thread while `armed`, so the driver ends the run itself: summary.json says "stopped" and what
+    the run holds is released. Once disarmed (the fit is over) a signal is only noted
+    (`received`): the summary and the release are not cut short. A third signal exits at once,
+    as Ray's own SIGINT handler does. Elsewhere (not the main thread) it does nothing."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self) -> None:
+        self.armed = True
+        self.received: list[str] = []
+        self._saved: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        import signal
+
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                number = getattr(signal, name)
+                self._saved[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        import signal
+
+        for number, handler in self._saved.items():
+            signal.signal(number, handler)
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _handle(self, number: int, frame) -> None:
+        import signal
+
+        name = signal.Signals(number).name
+        self.received.append(name)
+        if len(self.received) >= 3:
+            sys.exit(128 + number)
+        if self.armed and len(self.received) == 1:
+            self.armed = False
+            raise RunStopped(name)
