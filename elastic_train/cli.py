@@ -26,8 +26,6 @@ def _train(args: argparse.Namespace) -> int:
 
     progress = Progress(cfg.train.max_steps, cfg.log.progress, cfg.log.print_every_steps)
     result = train(cfg, progress=progress, verbose=args.verbose)
-    if result.note:  # nothing was trained: train() said why
-        return 0
     s = result.summary
     print(f"finished: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
           f"padding efficiency {s['padding_efficiency']:.3f}, {s['tokens_per_s']:.0f} tokens/s, "
@@ -60,9 +58,22 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_sample_args(args: argparse.Namespace) -> None:
+    """Bad numbers refused before the model loads (ValueError: one `error:` line)."""
+    import math
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+
+
 def _sample(args: argparse.Namespace) -> int:
     from elastic_train.export import generate, load_trained
 
+    _check_sample_args(args)
     trained = load_trained(args.run_folder, args.checkpoint)
     text = generate(trained, args.prompt, args.max_new_tokens, args.temperature, args.seed)
     print(args.prompt + text)
@@ -136,13 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a failed run: summary.json has the details
-        from elastic_train.api import TrainingFailed, TrainingStopped
+        from elastic_train.api import TrainingFailed
 
-        if isinstance(exc, TrainingStopped):  # summary.json says "stopped"
-            import signal
-
-            print(f"stopped: {exc}", file=sys.stderr)
-            return 128 + getattr(signal, exc.signal_name)
         if isinstance(exc, TrainingFailed):
             print(f"error: run failed: {exc}", file=sys.stderr)
             return 1

@@ -96,6 +96,12 @@ def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
     """Rebuild the run's model and load a checkpoint's weights into it (on the CPU, eval mode)."""
     folder = Path(run_folder)
     cfg = load_run_config(folder)
+    if cfg.model.inline_fn and model_fn is None:
+        raise ValueError(
+            f"run '{folder}' trained an inline model ({cfg.model.inline_fn}, the Python API's "
+            "model_fn), which its config cannot rebuild: use the Python API with that function, "
+            "elastic_train.export.export(RUN, OUTPUT, model_fn=...) or load_trained(RUN, "
+            "model_fn=...)")
     ckpt = folder / checkpoint if checkpoint else default_checkpoint(folder)
     try:
         state = read_state(ckpt)
@@ -123,12 +129,37 @@ def export(run_folder: str | os.PathLike, output: str | os.PathLike, checkpoint:
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         _write_export(trained, scratch)
+        _open_to_umask(scratch)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.rename(scratch, out)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (/proc), else by
+    setting and restoring it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _open_to_umask(folder: Path) -> None:
+    """The export's modes as any new file of this process would have them: the scratch folder
+    (mkdtemp) is 0700 and safetensors writes 0600, which left an export others could not read."""
+    mask = _umask()
+    for root, _dirs, names in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in names:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
 
 
 def _write_export(trained: TrainedModel, folder: Path) -> None:

@@ -7,6 +7,7 @@ its settings from here; `from elastic_train.config import Config, load_config` i
 
 from elastic_train.config.load import (
     DEFAULT_CONFIG_PATH,
+    config_changes,
     config_from_dict,
     load_config,
     parse_override,
@@ -26,20 +27,22 @@ from elastic_train.config.schema import (
     TrainConfig,
 )
 from elastic_train.config.validate import (
+    GPT_KWARGS,
     GRAD_COMPRESSIONS,
     ReduceChoice,
     check_compression,
     check_run_name,
     choose_grad_reduce,
     eval_enabled,
+    gpt_config,
     num_partitions,
     validate,
 )
 
 __all__ = [
     "DEFAULT_CONFIG_PATH", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
-    "FaultConfig", "GRAD_COMPRESSIONS", "LogConfig", "ModelConfig", "OptimConfig", "ReduceChoice",
-    "RunConfig", "ScalingConfig", "TrainConfig", "check_compression", "check_run_name",
-    "choose_grad_reduce", "config_from_dict", "eval_enabled", "load_config", "num_partitions",
-    "parse_override", "validate",
+    "FaultConfig", "GPT_KWARGS", "GRAD_COMPRESSIONS", "LogConfig", "ModelConfig", "OptimConfig",
+    "ReduceChoice", "RunConfig", "ScalingConfig", "TrainConfig", "check_compression",
+    "check_run_name", "choose_grad_reduce", "config_from_dict", "config_changes", "eval_enabled",
+    "gpt_config", "load_config", "num_partitions", "parse_override", "validate",
 ]

@@ -152,3 +152,27 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
     cfg = _build(Config, tree, "")
     validate(cfg)
     return cfg
+
+
+# Keys whose value is a mapping of the user's: shown whole when they change.
+DICT_VALUED = ("model.kwargs", "scaling.resources_per_worker")
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any], limit: int = 4) -> str | None:
+    """What differs between two config trees (`Config.to_dict()`, or a config.yaml read back),
+    as dotted keys, "old -> new", the first `limit` of them and a count of the rest; None if
+    nothing does."""
+    changed: list[str] = []
+
+    def walk(a: Any, b: Any, prefix: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict) and not prefix.endswith(DICT_VALUED):
+            for key in list(a) + [k for k in b if k not in a]:
+                walk(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))
+        elif a != b:
+            changed.append(f"{prefix} {a!r} -> {b!r}")
+
+    walk(old, new, "")
+    if not changed:
+        return None
+    more = len(changed) - limit
+    return ", ".join(changed[:limit]) + (f" and {more} more" if more > 0 else "")

@@ -42,10 +42,6 @@ class ScalingConfig:
     # give up reserving a group of this size after this long and decide again (not a failure); after
     # a node loss the first restart may ask for the old size and wait this long: keep it short
     worker_group_start_timeout_s: float = 15.0
-    # the longest a run waits for room for min_workers on a cluster that can grow (an autoscaler):
-    # then it fails, naming what is missing. A cluster that cannot grow (a local one, a `ray start`
-    # without autoscaler) is told at once. Also bounds the worker-group starts that keep timing out
-    start_timeout_s: float = 300.0
     resize_monitor_interval_s: float = 5.0  # how often an elastic run looks for room to grow
     preemption_poll_interval_s: float = 1.0  # how often Ray looks for nodes being drained (spot notices)
     torch_threads: int = 1  # intra-op threads per CPU worker
@@ -81,10 +77,19 @@ class ModelConfig:
     # "package.module:function": called with vocab_size, max_seq_len and `kwargs`, returns an nn.Module
     name: str = "gpt"
     path: str | None = None  # hf: folder (or pyarrow.fs URI) with config.json, weights optional
-    kwargs: dict[str, Any] = field(default_factory=dict)  # import path: extra keyword arguments
+    # import path: extra keyword arguments; gpt: n_layer, n_head, d_model or dropout (they replace
+    # the fields below; any other key is refused)
+    kwargs: dict[str, Any] = field(default_factory=dict)
     vocab_size: int | None = None  # None: the data set's tokenizer size (256 for bytes)
     gradient_checkpointing: bool = False  # recompute activations in backward (non-reentrant)
     trust_remote_code: bool = False  # hf: run the model's own code from `path`
+    # hf: a tokenizer in `path` must have the vocabulary of the data set's (same token -> id), or
+    # the ids the model learnt would mean other tokens; false: train anyway (you mean it)
+    tokenizer_check: bool = True
+    # set by the Python API's train(cfg, model_fn=...): the inline model's module.qualname. Such a
+    # run's model is rebuilt only by passing that model_fn again (export/load_trained); the command
+    # line refuses it
+    inline_fn: str | None = None
     n_layer: int = 2  # gpt only, like the three below
     n_head: int = 4
     d_model: int = 128

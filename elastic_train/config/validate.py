@@ -171,7 +171,7 @@ def _validate_scaling(s: ScalingConfig) -> None:
     )
     _at_least("scaling.cpus_per_worker", s.cpus_per_worker, 0, strict=True)
     _require(s.max_failures >= -1, f"scaling.max_failures must be >= -1, got {s.max_failures}")
-    for key in ("health_check_interval_s", "worker_group_start_timeout_s", "start_timeout_s",
+    for key in ("health_check_interval_s", "worker_group_start_timeout_s",
                 "resize_monitor_interval_s", "preemption_poll_interval_s", "collective_timeout_s"):
         _at_least(f"scaling.{key}", getattr(s, key), 0, strict=True)
     _at_least("scaling.torch_threads", s.torch_threads, 1)
@@ -268,6 +268,16 @@ def _validate_in_place(cfg: Config) -> None:
              "fault.hold_for_resize_at_step is a test hook of elastic resizes (restart mode)")
 
 
+GPT_KWARGS = ("n_layer", "n_head", "d_model", "dropout")  # model.kwargs the embedded GPT takes
+
+
+def gpt_config(m: ModelConfig) -> ModelConfig:
+    """The embedded GPT's settings: model.kwargs (only GPT_KWARGS, checked by `validate`) over the
+    fields of the same names."""
+    return dataclasses.replace(m, **{k: v for k, v in m.kwargs.items() if k in GPT_KWARGS},
+                               kwargs={})
+
+
 def _validate_model(m: ModelConfig) -> None:
     name_ok = m.name in ("gpt", "hf") or (":" in m.name and all(m.name.split(":", 1)))
     _require(name_ok, f"model.name must be gpt, hf or an import path 'package.module:function', "
@@ -276,6 +286,15 @@ def _validate_model(m: ModelConfig) -> None:
                                              "of a transformers model with a config.json")
     _require(m.vocab_size is None or m.vocab_size >= 1, f"model.vocab_size must be >= 1, got {m.vocab_size}")
     if m.name == "gpt":
+        unknown = sorted(set(m.kwargs) - set(GPT_KWARGS))
+        _require(not unknown, f"model.kwargs: {', '.join(unknown)} not known to model.name=gpt "
+                              f"(the embedded GPT takes {', '.join(GPT_KWARGS)})")
+        for key, value in m.kwargs.items():
+            number = isinstance(value, (int, float)) if key == "dropout" else isinstance(value, int)
+            _require(number and not isinstance(value, bool),
+                     f"model.kwargs.{key}: expected {'a number' if key == 'dropout' else 'int'}, "
+                     f"got {value!r}")
+        m = gpt_config(m)  # the values the GPT will be built with
         _require(m.n_layer >= 1, f"model.n_layer must be >= 1, got {m.n_layer}")
         _require(m.n_head >= 1, f"model.n_head must be >= 1, got {m.n_head}")
         _require(m.d_model >= 1, f"model.d_model must be >= 1, got {m.d_model}")

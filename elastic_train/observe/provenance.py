@@ -96,10 +96,21 @@ def tokenizer_hash(info: DatasetInfo) -> str | None:
     return digest.hexdigest()[:16]
 
 
+def tokenizer_description(info: DatasetInfo) -> str | None:
+    """The data set's tokenizer in words, as `_prepare.json` records it (None: it records none)."""
+    if info.tokenizer_kind is None:
+        return None
+    if info.tokenizer_kind == "bytes":
+        return "UTF-8 bytes, 256 tokens"
+    where = f", {info.tokenizer_path}" if info.tokenizer_path else ""
+    return f"{info.tokenizer_kind}, {info.vocab_size} tokens{where}"
+
+
 def driver_record(info: DatasetInfo, eval_info: DatasetInfo | None = None) -> dict[str, Any]:
-    """What the driver knows: its versions, the git revision, the data and tokenizer hashes."""
+    """What the driver knows: its versions, the git revision, the data and tokenizer hashes (and
+    the tokenizer in words, for a message that names it)."""
     record = {"versions": versions(), "git": git_revision(), "data_hash": data_hash(info),
-              "tokenizer_hash": tokenizer_hash(info)}
+              "tokenizer_hash": tokenizer_hash(info), "tokenizer": tokenizer_description(info)}
     if eval_info is not None:
         record["eval_data_hash"] = data_hash(eval_info)
     return record
@@ -107,13 +118,14 @@ def driver_record(info: DatasetInfo, eval_info: DatasetInfo | None = None) -> di
 
 def changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(refusing, warning): what differs between a checkpoint's record and the present, named.
-    Data and tokenizer changes refuse; versions and git revision warn. A field one side lacks
-    (an older checkpoint) is not compared."""
+    Tokenizer and data changes refuse (the tokenizer first: it is the cause when both changed);
+    versions and git revision warn. A field one side lacks (an older checkpoint) is not compared."""
     refusing, warning = [], []
-    for key, label in (("data_hash", "the data set's content (manifest hash)"),
-                       ("tokenizer_hash", "the tokenizer")):
+    for key, label in (("tokenizer_hash", "the tokenizer"),
+                       ("data_hash", "the data set's content (manifest hash)")):
         if saved.get(key) and current.get(key) and saved[key] != current[key]:
-            refusing.append(f"{label} was {saved[key]}, now {current[key]}")
+            refusing.append(f"{label} was {saved[key]}{_in_words(saved, key)}, now "
+                            f"{current[key]}{_in_words(current, key)}")
     old, new = saved.get("versions") or {}, current.get("versions") or {}
     for name in sorted(set(old) & set(new)):
         if old[name] != new[name]:
@@ -122,3 +134,9 @@ def changes(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], 
     if old_git and new_git and old_git.get("commit") != new_git.get("commit"):
         warning.append(f"git revision {old_git['commit'][:12]} -> {new_git['commit'][:12]}")
     return refusing, warning
+
+
+def _in_words(record: dict[str, Any], key: str) -> str:
+    """" (hf, 400 tokens, /data/tokenizer)" for the tokenizer, when the record says it."""
+    words = record.get("tokenizer") if key == "tokenizer_hash" else None
+    return f" ({words})" if isinstance(words, str) and words else ""

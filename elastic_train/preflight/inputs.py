@@ -19,7 +19,9 @@ from elastic_train.preflight.checks import (
     check_sample_ids,
     check_storage,
 )
+from elastic_train.preflight.resolve import resolve_config
 from elastic_train.preflight.resume import check_resumable
+from elastic_train.preflight.vocab import check_model_tokenizer
 from elastic_train.training.checkpoint import model_signature
 from elastic_train.training.model import BYTE_VOCAB, ModelFn, build_meta_model, input_embedding_rows
 
@@ -80,6 +82,7 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     shapes only), their fit, storage, the checkpoint to resume. Fills in what the config leaves
     to the data set (`model.vocab_size`, `data.pad_id`), so the resolved config says it."""
     validate(cfg)  # again: a Config built in Python has not been through load_config
+    resolve_config(cfg, model_fn)
     check_gpu(cfg)
     info = resolve_dataset(cfg)
     if cfg.data.pad_id is None:
@@ -93,6 +96,7 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     except ValueError as exc:
         raise ConfigError(f"data.path: {exc}") from None
     model = meta_model(cfg, model_fn)
+    check_model_tokenizer(cfg, info)
     check_model_fits_data(cfg, info, model)
     if tables.eval_info is not None:
         check_model_fits_data(cfg, tables.eval_info, model)
@@ -115,6 +119,12 @@ def check_model_fits_data(cfg: Config, info: DatasetInfo, model: torch.nn.Module
     data.max_seq_len (where the model says how many it has)."""
     rows = input_embedding_rows(model)
     largest = max(info.max_token_id or 0, cfg.data.pad_id or 0)
+    if rows is not None and largest >= rows and cfg.model.name == "hf":
+        raise ConfigError(
+            f"model.path: the model in '{cfg.model.path}' embeds {rows} token ids but data set "
+            f"{info.path} uses token id {largest} (its tokenizer has {info.vocab_size} tokens): "
+            "use a model whose vocabulary covers the data's tokenizer, or prepare the data again "
+            "with the model's own tokenizer (prepare --tokenizer MODEL_FOLDER)")
     if rows is not None and largest >= rows:
         raise ConfigError(
             f"model: its embedding has {rows} rows but data set {info.path} uses token id {largest}; "

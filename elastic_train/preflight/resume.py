@@ -53,22 +53,32 @@ def check_resumable(cfg: Config, ours: dict[str, list[int]],
                               f"another run.name, or the model config it was trained with")
         if info is not None:
             _check_same_data(cfg, info, state, fs, folder, name)
-            if isinstance(state.get("provenance"), dict):
-                _check_provenance(cfg, info, state["provenance"], name)
         return state
     return None
 
 
-def _check_provenance(cfg: Config, info: DatasetInfo, saved: dict, name: str) -> None:
-    """A resume on other data content or another tokenizer is refused (unless
-    data.on_change=keep_position); on other library versions or code, it warns naming them."""
-    refusing, warning = provenance.changes(saved, provenance.driver_record(info))
+def _check_same_data(cfg: Config, info: DatasetInfo, state: dict, fs: pafs.FileSystem,
+                     folder: str, name: str) -> None:
+    """The checkpoint's data position means the same rows and token ids now: the same tokenizer
+    and data (provenance) and data identity, else refused (unless data.on_change=keep_position)
+    naming what changed, the tokenizer first: re-preparing with another tokenizer also changes
+    every shard's row count, and the row count is not the news. Other library versions or code
+    only warn, naming them."""
+    identity = _identity_change(cfg, info, state, fs, folder)
+    saved = state.get("provenance") if isinstance(state.get("provenance"), dict) else {}
+    if identity is not None:  # it says more than the manifest hash that changes with it
+        saved = {k: v for k, v in saved.items() if k != "data_hash"}
+    refusing, warning = (provenance.changes(saved, provenance.driver_record(info)) if saved
+                         else ([], []))
+    refusing += [identity] if identity is not None else []
     if refusing and cfg.data.on_change != "keep_position":
         raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} was trained on other data: "
-                          f"{'; '.join(refusing)}. Use another run.name, the data it was trained on, "
-                          "or data.on_change=keep_position to resume anyway")
+                          f"{'; '.join(refusing)}; its data position would mean other rows. Use "
+                          "another run.name, the data it was trained on, or "
+                          "data.on_change=keep_position to resume anyway")
     if refusing:
-        warning = refusing + warning
+        logger.warning("run %s: resuming checkpoint %s at its data position although %s "
+                       "(data.on_change=keep_position)", cfg.run.name, name, "; ".join(refusing))
     if warning:
         logger.warning("run %s: resuming checkpoint %s, written with %s", cfg.run.name, name,
                        "; ".join(warning))
@@ -83,9 +93,9 @@ def _read_json(fs: pafs.FileSystem, path: str, what: str):
         raise ConfigError(f"{what} '{path}' is corrupt or unreadable: {exc}") from None
 
 
-def _check_same_data(cfg: Config, info: DatasetInfo, state: dict, fs: pafs.FileSystem,
-                     folder: str, name: str) -> None:
-    """The checkpoint's data position means the same rows now: same data identity."""
+def _identity_change(cfg: Config, info: DatasetInfo, state: dict, fs: pafs.FileSystem,
+                     folder: str) -> str | None:
+    """What differs in the data identity (path, seed, partitions, shards) since the checkpoint."""
     current = data_identity(cfg, info)
     data = state["config"].get("data")
     data = data if isinstance(data, dict) else {}
@@ -100,13 +110,4 @@ def _check_same_data(cfg: Config, info: DatasetInfo, state: dict, fs: pafs.FileS
     if fs.get_file_info(identity_path).type == pafs.FileType.File:
         recorded = _read_json(fs, identity_path, "run file")
         saved.update(recorded if isinstance(recorded, dict) else {})
-    change = identity_change(saved, current)
-    if change is None:
-        return
-    if cfg.data.on_change == "keep_position":
-        logger.warning("run %s: resuming checkpoint %s at its data position although %s "
-                       "(data.on_change=keep_position)", cfg.run.name, name, change)
-        return
-    raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} was trained on other data: "
-                      f"{change}; its data position would mean other rows. Use another run.name, "
-                      "the data it was trained on, or data.on_change=keep_position to resume anyway")
+    return identity_change(saved, current)

@@ -83,8 +83,45 @@ def load_hf_config(model_cfg: ModelConfig):
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"model.path: '{shown}': transformers cannot read its config.json: "
                          f"{exc}") from None
+    check_causal_lm(config, str(shown), model_cfg.trust_remote_code)
     config.use_cache = False
     return config, folder
+
+
+def check_causal_lm(config, shown: str, trust_remote_code: bool = False) -> None:
+    """The model predicts each token from the ones before it only: a causal decoder. Else its
+    loss means nothing (a bidirectional encoder sees the token it predicts) and training it
+    is refused by name. transformers' causal-LM mapping knows some encoders too (BERT, RoBERTa,
+    ... as decoders, with `is_decoder: true` in their config): those must say so."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL,
+    )
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED,
+    )
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES as BASE
+
+    if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        return  # the model's own code says it is one
+    kind = config.model_type
+    archs = list(getattr(config, "architectures", None) or [])
+    named = f"model.path: '{shown}' is a {kind} model" + (f" ({', '.join(archs)})" if archs else "")
+    # the causal-LM classes, and the bare models under them (a decoder saved without its head)
+    causal_classes = {n for m in (CAUSAL, BASE) for v in m.values()
+                      for n in ([v] if isinstance(v, str) else v)}
+    if kind not in CAUSAL:
+        raise ValueError(f"{named}, not a causal language model: transformers has no causal-LM "
+                         f"class for {kind} (model.name=hf trains AutoModelForCausalLM)")
+    if archs and not any(a in causal_classes or a.endswith(("ForCausalLM", "LMHeadModel"))
+                         for a in archs):
+        raise ValueError(f"{named}, not a causal language model: model.name=hf trains next-token "
+                         "prediction, which this architecture was not made for")
+    bidirectional = kind in MASKED and not (config.is_decoder or config.is_encoder_decoder
+                                            or getattr(config, "causal", False))
+    if bidirectional:
+        raise ValueError(f"{named}, a bidirectional encoder, not a causal language model: each "
+                         "position would see the token it predicts, so its loss means nothing; "
+                         "set is_decoder: true in its config.json to train it as a decoder")
 
 
 def build_hf_model(model_cfg: ModelConfig) -> nn.Module:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from elastic_train.config import ModelConfig
+from elastic_train.config import GPT_KWARGS, ModelConfig, gpt_config
 
 BYTE_VOCAB = 256  # the vocabulary of byte-tokenized data (prepare without --tokenizer)
 ModelFn = Callable[..., nn.Module]
@@ -116,8 +116,13 @@ class GPT(nn.Module):
 
 
 def build_gpt(model_cfg: ModelConfig, max_seq_len: int) -> nn.Module:
-    """The byte-level GPT of `model_cfg`, with positions up to `max_seq_len`."""
-    return GPT(model_cfg, max_seq_len, model_cfg.vocab_size or BYTE_VOCAB)
+    """The byte-level GPT of `model_cfg` (its `kwargs` over the fields of the same names), with
+    positions up to `max_seq_len`."""
+    unknown = sorted(set(model_cfg.kwargs) - set(GPT_KWARGS))
+    if unknown:
+        raise ValueError(f"model.kwargs: {', '.join(unknown)} not known to model.name=gpt (the "
+                         f"embedded GPT takes {', '.join(GPT_KWARGS)})")
+    return GPT(gpt_config(model_cfg), max_seq_len, model_cfg.vocab_size or BYTE_VOCAB)
 
 
 def _build_hf(model_cfg: ModelConfig, max_seq_len: int) -> nn.Module:
@@ -265,6 +270,7 @@ def model_flops_per_token(model_cfg: ModelConfig, seq_len: int, num_parameters: 
     """
     if model_cfg.name != "gpt":
         return 6.0 * float(num_parameters or 0)
-    n_layer, d = model_cfg.n_layer, model_cfg.d_model
+    gpt = gpt_config(model_cfg)
+    n_layer, d = gpt.n_layer, gpt.d_model
     n_matmul = 12 * n_layer * d * d + (model_cfg.vocab_size or BYTE_VOCAB) * d
     return 6.0 * n_matmul + 12.0 * n_layer * d * seq_len
