@@ -26,6 +26,8 @@ def _train(args: argparse.Namespace) -> int:
 
     progress = Progress(cfg.train.max_steps, cfg.log.progress, cfg.log.print_every_steps)
     result = train(cfg, progress=progress, verbose=args.verbose)
+    if result.note:  # nothing was trained: train() said why
+        return 0
     s = result.summary
     print(f"finished: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
           f"padding efficiency {s['padding_efficiency']:.3f}, {s['tokens_per_s']:.0f} tokens/s, "
@@ -147,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a failed run: summary.json has the details
-        from elastic_train.api import TrainingFailed
+        from elastic_train.api import TrainingFailed, TrainingStopped
 
+        if isinstance(exc, TrainingStopped):  # summary.json says "stopped"
+            import signal
+
+            print(f"stopped: {exc}", file=sys.stderr)
+            return 128 + getattr(signal, exc.signal_name)
         if isinstance(exc, TrainingFailed):
             print(f"error: run failed: {exc}", file=sys.stderr)
             return 1

@@ -42,6 +42,10 @@ class ScalingConfig:
     # give up reserving a group of this size after this long and decide again (not a failure); after
     # a node loss the first restart may ask for the old size and wait this long: keep it short
     worker_group_start_timeout_s: float = 15.0
+    # the longest a run waits for room for min_workers on a cluster that can grow (an autoscaler):
+    # then it fails, naming what is missing. A cluster that cannot grow (a local one, a `ray start`
+    # without autoscaler) is told at once. Also bounds the worker-group starts that keep timing out
+    start_timeout_s: float = 300.0
     resize_monitor_interval_s: float = 5.0  # how often an elastic run looks for room to grow
     preemption_poll_interval_s: float = 1.0  # how often Ray looks for nodes being drained (spot notices)
     torch_threads: int = 1  # intra-op threads per CPU worker

@@ -171,7 +171,7 @@ def _validate_scaling(s: ScalingConfig) -> None:
     )
     _at_least("scaling.cpus_per_worker", s.cpus_per_worker, 0, strict=True)
     _require(s.max_failures >= -1, f"scaling.max_failures must be >= -1, got {s.max_failures}")
-    for key in ("health_check_interval_s", "worker_group_start_timeout_s",
+    for key in ("health_check_interval_s", "worker_group_start_timeout_s", "start_timeout_s",
                 "resize_monitor_interval_s", "preemption_poll_interval_s", "collective_timeout_s"):
         _at_least(f"scaling.{key}", getattr(s, key), 0, strict=True)
     _at_least("scaling.torch_threads", s.torch_threads, 1)
