@@ -196,6 +196,40 @@ def files(tmp: Path, **named: bytes) -> list[str]:
     return [str(tmp / name.replace("_", ".")) for name in named]
 
 
+def hf_folder(kind: str, tokenizer: bool = False) -> Callable[[Path, str], list[str]]:
+    """`model.name=hf` on a model folder of `kind` (llama | bert: a masked-LM BERT), its
+    config.json only (no weights, no download), with a word-level tokenizer.json if asked."""
+    def make(tmp: Path, data: str) -> list[str]:
+        from transformers import BertConfig, LlamaConfig
+
+        sizes = dict(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, max_position_embeddings=128)
+        config = (BertConfig(**sizes, architectures=["BertForMaskedLM"]) if kind == "bert"
+                  else LlamaConfig(**sizes, num_key_value_heads=1))
+        config.save_pretrained(tmp / kind)
+        if tokenizer:
+            from tokenizers import Tokenizer, models
+
+            words = {w: i for i, w in enumerate(["<unk>", "the", "a", *"bcdefgh"])}
+            Tokenizer(models.WordLevel(words, unk_token="<unk>")).save(str(tmp / kind / "tokenizer.json"))
+        return ["model.name=hf", f"model.path={tmp / kind}"]
+    return train_with(make)
+
+
+def sample_case(*flags: str) -> Callable[[Path, str], list[str]]:
+    """`sample` of a run folder with a checkpoint, with `flags`."""
+    return lambda tmp, data: ["sample", str(resumable_run(tmp / "runs", data, "s")), "--prompt", "x",
+                              *flags]
+
+
+def inline_run(tmp: Path, data: str) -> list[str]:
+    """`export` of a run that trained the Python API's inline model_fn."""
+    run = resumable_run(tmp / "runs", data, "i")
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("inline_fn: null", "inline_fn: driver.make_model"))
+    return ["export", str(run), "--output", str(tmp / "out")]
+
+
 def report_case(make: Callable[[Path], str]) -> Callable[[Path, str], list[str]]:
     return lambda tmp, data: ["report", make(tmp)]
 
@@ -315,6 +349,14 @@ CASES = [
                                                     "data.global_batch_tokens=2048"), "data.max_seq_len"),
     Case("model import path missing", train("model.name=no_such_module:build"), "no_such_module"),
     Case("hf without model.path", train("model.name=hf"), "model.path"),
+    Case("hf model that is a BERT", hf_folder("bert"),
+         "is a bert model (BertForMaskedLM), not a causal language model"),
+    Case("hf model with another tokenizer than the data's", hf_folder("llama", tokenizer=True),
+         "the data set holds UTF-8 bytes (prepared without --tokenizer)"),
+    Case("gpt kwargs it does not take", train("model.kwargs={hidden: 24}"),
+         "model.kwargs: hidden not known to model.name=gpt"),
+    Case("config of an inline model on the command line", train("model.inline_fn=driver.make_model"),
+         "model.inline_fn"),
     # resume
     Case("corrupt checkpoint state.json", resume(before=lambda run: (
         run / "checkpoint_000000002" / "state.json").write_text('{"cut')), "state.json"),
@@ -348,6 +390,13 @@ CASES = [
          "already contains Parquet files"),
     Case("prepare jsonl not json", prepare_case(lambda tmp: [
         *files(tmp, a_jsonl=b'{"text": oops}\n'), "--output", str(tmp / "out")]), "a.jsonl"),
+    # export and sample
+    Case("export of an inline model's run", inline_run, "trained an inline model (driver.make_model"),
+    Case("sample --max-new-tokens -1", sample_case("--max-new-tokens", "-1"), "--max-new-tokens"),
+    Case("sample --max-new-tokens 0", sample_case("--max-new-tokens", "0"), "--max-new-tokens"),
+    Case("sample --temperature -1", sample_case("--temperature", "-1"), "--temperature"),
+    Case("sample --temperature nan", sample_case("--temperature", "nan"), "--temperature"),
+    Case("sample --seed -1", sample_case("--seed", "-1"), "--seed"),
     # report
     Case("report missing folder", report_case(lambda tmp: str(tmp / "nope")), "nope"),
     Case("report folder is a file", report_case(lambda tmp: files(tmp, f_txt=b"x")[0]), "f.txt"),

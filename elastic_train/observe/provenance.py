@@ -97,11 +97,10 @@ def tokenizer_hash(info: DatasetInfo) -> str | None:
 
 
 def tokenizer_description(info: DatasetInfo) -> str | None:
-    """The data set's tokenizer in words, as `_prepare.json` records it (None: it records none)."""
-    if info.tokenizer_kind is None:
+    """The data set's tokenizer in words, as `_prepare.json` records it (None: it records none,
+    or bytes, which the hash "bytes" says)."""
+    if info.tokenizer_kind in (None, "bytes"):
         return None
-    if info.tokenizer_kind == "bytes":
-        return "UTF-8 bytes, 256 tokens"
     where = f", {info.tokenizer_path}" if info.tokenizer_path else ""
     return f"{info.tokenizer_kind}, {info.vocab_size} tokens{where}"
 
