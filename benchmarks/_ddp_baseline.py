@@ -22,7 +22,7 @@ import torch.distributed as dist
 from elastic_train.config import load_config, num_partitions
 from elastic_train.data.blocks import local_rank_steps
 from elastic_train.data.plan import StreamSpec, owned_partitions
-from elastic_train.preflight.inputs import resolve_dataset
+from elastic_train.preflight.inputs import fill_from_dataset, resolve_dataset
 from elastic_train.training.collectives import all_reduce_sum
 from elastic_train.training.losses import LossModule
 from elastic_train.training.model import build_model
@@ -57,7 +57,9 @@ def main() -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(None, args.overrides)
-    files = resolve_dataset(cfg).files
+    info = resolve_dataset(cfg)
+    fill_from_dataset(cfg, info)  # data.max_seq_len, vocab, pad: as elastic-train resolves them
+    files = info.files
     torch.manual_seed(cfg.train.seed)
     raw = build_model(cfg.model, cfg.data.max_seq_len)
     optimizer = build_optimizer(raw, cfg.optim, False)

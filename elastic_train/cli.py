@@ -1,7 +1,8 @@
 """The `elastic-train` command line: train, prepare, export, sample, report.
 
     elastic-train train [--config FILE.yaml] [--verbose] [dotted.key=value ...]
-    elastic-train prepare INPUT... --output DIR [--max-seq-len N] [--engine auto|ray|local]
+    elastic-train prepare INPUT... --output DIR [--max-seq-len N] [--eval-fraction F]
+                          [--engine auto|ray|local]
     elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME]
     elastic-train sample RUN_FOLDER --prompt TEXT [--max-new-tokens N]
     elastic-train report RUN_FOLDER
@@ -45,7 +46,7 @@ def _prepare(args: argparse.Namespace) -> int:
     engine = choose_engine(args.engine, args.inputs)
     run = prepare_ray if engine == "ray" else prepare  # the same shards either way
     stats = run(args.inputs, args.output, max_seq_len=args.max_seq_len, seed=args.seed,
-                rows_per_block=args.rows_per_block,
+                rows_per_block=args.rows_per_block, eval_fraction=args.eval_fraction,
                 tokenizer=args.tokenizer, text_field=args.text_field)
     if engine == "local":  # prepare_ray prints its own final line
         print(summary_line(stats, time.perf_counter() - started), file=sys.stderr)
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="folder for the shards (must hold none yet)")
     p.add_argument("--max-seq-len", type=int, default=512, help="longest row, in tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the row shuffle")
+    p.add_argument("--eval-fraction", type=float, default=0.0,
+                   help="share of documents held out, all their rows, into OUTPUT/eval/ (a data "
+                        "set of its own), which eval.fraction > 0 evaluates on (default 0)")
     p.add_argument("--rows-per-block", type=int, default=128,
                    help="rows per Parquet row group, the unit a training rank reads alone")
     p.add_argument("--tokenizer", default=None,

@@ -37,6 +37,20 @@ def small_dataset(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def held_out_dataset(tmp_path_factory) -> str:
+    """The modules of `small_dataset`, prepared with 10% of their documents (definitions) held
+    out in `eval/`: the data set of runs with eval.fraction > 0."""
+    from elastic_train.data.prepare import prepare
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / name for name in ("textwrap.py", "shlex.py", "fnmatch.py", "bisect.py",
+                                        "heapq.py", "glob.py", "colorsys.py")]
+    out = tmp_path_factory.mktemp("data") / "held_out"
+    prepare(files, out, max_seq_len=128, rows_per_shard=600, rows_per_block=32, eval_fraction=0.1)
+    return str(out)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster shared by a module's tests (start-up is most of a run's cost)."""

@@ -107,6 +107,10 @@ def test_cli_empty_and_columnless_datasets(tmp_path):
     assert proc.returncode != 0 and "tokens" in proc.stderr and proc.stderr.startswith("error: ")
 
 
+# small_dataset holds out no documents (prepare without --eval-fraction): no evaluation
+NO_EVAL = ["eval.fraction=0", "checkpoint.keep_best=false"]
+
+
 def test_cli_refuses_a_run_whose_checkpoint_is_of_another_model(tmp_path, small_dataset):
     """The newest complete checkpoint is checked on the driver, before Ray starts; an incomplete
     newer one (no manifest) is skipped, as Ray never registered it; nothing is written."""
@@ -126,7 +130,7 @@ def test_cli_refuses_a_run_whose_checkpoint_is_of_another_model(tmp_path, small_
     before = sorted(p.relative_to(run) for p in run.rglob("*"))
     proc = _cli("train", f"run.storage_path={tmp_path}", "run.name=old", f"data.path={small_dataset}",
                 "model.n_layer=1", "model.d_model=64", "model.n_head=2", "data.max_seq_len=128",
-                "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096")
+                "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096", *NO_EVAL)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: run old: its latest checkpoint checkpoint_000000004 does not "
@@ -179,7 +183,8 @@ def test_collective_timeout_reaches_the_process_group(small_dataset, tmp_path):
 
     cfg = load_config(None, [f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
                              "data.max_seq_len=128", "data.micro_batch_tokens=1024",
-                             "data.global_batch_tokens=4096", "scaling.collective_timeout_s=42"])
+                             "data.global_batch_tokens=4096", "scaling.collective_timeout_s=42",
+                             *NO_EVAL])
     trainer = build_trainer(cfg, check_inputs(cfg), runlog=None)
     torch_config = trainer.backend_config  # Ray 2.60: the TorchConfig given to TorchTrainer
     assert (torch_config.backend, torch_config.timeout_s) == ("gloo", 42)
@@ -196,7 +201,7 @@ def test_the_trainer_leaves_out_what_a_run_does_not_use(small_dataset, tmp_path)
 
     cfg = load_config(None, [f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
                              "data.max_seq_len=128", "data.micro_batch_tokens=1024",
-                             "data.global_batch_tokens=4096"])
+                             "data.global_batch_tokens=4096", *NO_EVAL])
     info = check_inputs(cfg)
     trainers = {pg: build_trainer(cfg, info, runlog=None, pg_cleaner=pg) for pg in (True, False)}
     names = {pg: {type(c).__name__ for c in t._create_default_callbacks()} for pg, t in trainers.items()}

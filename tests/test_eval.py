@@ -43,8 +43,21 @@ def block_ids(table, blocks) -> set[int]:
 
 
 # -- which blocks are held out ------------------------------------------------------------------
+def without_doc(dataset: str, folder: Path) -> str:
+    """A copy of a prepared data set's shards without the `doc` column (as another tool makes
+    them): eval.fraction holds out its row groups."""
+    folder.mkdir()
+    for path in sorted(Path(dataset).glob("*.parquet")):
+        pq.write_table(pq.read_table(path).drop_columns(["doc"]), folder / path.name,
+                       row_group_size=32)
+    return str(folder)
+
+
 @pytest.mark.unit
-def test_held_out_blocks_are_whole_row_groups_picked_by_what_they_are(small_dataset):
+def test_held_out_blocks_are_whole_row_groups_picked_by_what_they_are(small_dataset, tmp_path):
+    """For data without a `doc` column (tests/test_heldout.py: with one, prepare holds out whole
+    documents)."""
+    small_dataset = without_doc(small_dataset, tmp_path / "no_doc")
     info = inspect_dataset(small_dataset)
     table = dataset_blocks(info)
     train_part, held = hold_out(table, 0.1)
@@ -112,11 +125,11 @@ def _eval_worker(rank: int, world_size: int, data: str, out: str) -> None:
 
 
 @pytest.mark.dist
-def test_eval_loss_is_bitwise_the_same_on_1_2_and_3_processes(small_dataset, tmp_path):
+def test_eval_loss_is_bitwise_the_same_on_1_2_and_3_processes(held_out_dataset, tmp_path):
     out = str(tmp_path / "eval")
-    _eval_worker(0, 1, small_dataset, out)
+    _eval_worker(0, 1, held_out_dataset, out)
     for world_size in (2, 3):
-        run_ranks(_eval_worker, world_size, tmp_path, small_dataset, out)
+        run_ranks(_eval_worker, world_size, tmp_path, held_out_dataset, out)
     (whole, first), = [torch.load(f"{out}.1.0")]
     assert whole[2] > first[2] >= 1 and whole[1] > first[1]  # max_batches bounds it
     assert math.isfinite(whole[0]) and whole[0] > 0
@@ -183,8 +196,8 @@ def test_the_best_checkpoint_replaces_the_one_before_and_a_half_written_one_is_n
 
 
 @pytest.mark.unit
-def test_a_local_run_keeps_its_best_evaluation_and_export_loads_it(small_dataset, tmp_path):
-    cfg = load_config(None, [*EVAL, f"data.path={small_dataset}", "eval.every_steps=4",
+def test_a_local_run_keeps_its_best_evaluation_and_export_loads_it(held_out_dataset, tmp_path):
+    cfg = load_config(None, [*EVAL, f"data.path={held_out_dataset}", "eval.every_steps=4",
                              "train.max_steps=9", "checkpoint.keep_best=true", "eval.max_batches=2"])
     env = train_locally(cfg, folder=str(tmp_path))
     assert [e["step"] for e in env.evals] == [4, 8, 9]
@@ -218,7 +231,9 @@ def _effective_evals(lines: list[dict]) -> dict[int, float]:
 
 
 @pytest.mark.ray
-def test_eval_is_the_same_on_1_and_2_workers_and_across_crashes(ray_cluster, small_dataset, tmp_path):
+def test_eval_is_the_same_on_1_and_2_workers_and_across_crashes(ray_cluster, held_out_dataset,
+                                                                tmp_path):
+    small_dataset = held_out_dataset  # its eval/: the held-out documents
     two, two_lines = _run(tmp_path, small_dataset, "two")
     evals = _effective_evals(two_lines)
     steps = two.summary["steps"]

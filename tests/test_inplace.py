@@ -37,9 +37,9 @@ FENCE_S = 5  # its fault.fence_after_s
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, small_dataset, tmp_path_factory):
+def reference(ray_cluster, held_out_dataset, tmp_path_factory):
     """2 workers in place, 2 epochs, never interrupted."""
-    return run(tmp_path_factory.mktemp("ref"), small_dataset, "ref", *IN_PLACE)
+    return run(tmp_path_factory.mktemp("ref"), held_out_dataset, "ref", *IN_PLACE)
 
 
 def test_in_place_run_trains_every_id_once_at_two_workers(reference):
@@ -59,8 +59,8 @@ def test_in_place_run_trains_every_id_once_at_two_workers(reference):
     assert {r["logged_by"] for r in recs} <= {0, 1}
 
 
-def test_survivor_trains_on_and_the_replacement_heals_and_joins(reference, small_dataset, tmp_path):
-    crashed = run(tmp_path, small_dataset, "crash", *IN_PLACE, "fault.crash_at_step=10",
+def test_survivor_trains_on_and_the_replacement_heals_and_joins(reference, held_out_dataset, tmp_path):
+    crashed = run(tmp_path, held_out_dataset, "crash", *IN_PLACE, "fault.crash_at_step=10",
                   "fault.crash_rank=1", "fault.wait_for_replacement_at_step=14")
     s = crashed.summary
     assert s["status"] == "finished" and s["restarts"] == 0 and s["replayed_steps"] == 0
@@ -89,7 +89,7 @@ def test_survivor_trains_on_and_the_replacement_heals_and_joins(reference, small
 
 
 @pytest.mark.timeout(SLOW_TEST_S)
-def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference, small_dataset,
+def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference, held_out_dataset,
                                                                        tmp_path):
     """Rank 1 SIGSTOPped at step 8 or a little later (a slowed rank 1 gives the test time): the
     survivor's all-reduce gives up after scaling.collective_timeout_s, that step is trained again
@@ -104,7 +104,7 @@ def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference
     watcher = threading.Thread(target=freezer.watch, daemon=True)
     watcher.start()
     try:
-        result = run(tmp_path, small_dataset, "frozen", *IN_PLACE,
+        result = run(tmp_path, held_out_dataset, "frozen", *IN_PLACE,
                      f"scaling.collective_timeout_s={TIMEOUT_S}",
                      "fault.slow_rank=1", "fault.slow_step_s=0.3", f"fault.fence_after_s={FENCE_S}",
                      "fault.wait_for_replacement_at_step=16", "checkpoint.every_steps=20")

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 USER_MODELS = str(Path(__file__).parent / "user_models")
 SMALL = ["data.max_seq_len=128", "data.micro_batch_tokens=1024", "data.global_batch_tokens=4096",
-         "log.progress=none"]
+         "log.progress=none", "eval.fraction=0", "checkpoint.keep_best=false"]
 
 
 @pytest.fixture

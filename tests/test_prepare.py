@@ -218,7 +218,7 @@ def test_inspect_dataset_reads_metadata(tmp_path):
     assert (info.vocab_size, info.eos_id, info.pad_id, info.tokenizer_kind) == (256, None, None,
                                                                                "bytes")
     assert info.max_token_id == stats["max_token_id"] and info.tokenizer_path is None
-    assert info.columns == ("id", "tokens", "length", "source", "offset")
+    assert info.columns == ("id", "tokens", "length", "source", "offset", "doc")
     assert isinstance(load_dataset_tokenizer(info), ByteTokenizer)
 
 
@@ -492,7 +492,7 @@ def test_prepare_json_and_inspect_dataset_record_the_tokenizer(tmp_path, bpe_tok
         assert (info.vocab_size, info.max_token_id, info.eos_id, info.pad_id) == (
             400, stats["max_token_id"], 0, 1)
         assert (info.tokenizer_kind, info.tokenizer_path) == ("hf", str(out / "tokenizer"))
-        assert info.columns == ("id", "tokens", "length", "source", "offset")
+        assert info.columns == ("id", "tokens", "length", "source", "offset", "doc")
     text = "def g(y):\n    return y * 2\n"
     expected = load_tokenizer(bpe_tokenizer).encode(text)
     assert load_dataset_tokenizer(info).encode(text) == expected

@@ -62,12 +62,17 @@ def stats_of(folder: Path) -> dict:
 
 
 def assert_same_shards(left: Path, right: Path, min_shards: int = 2) -> None:
-    """Same shard files, each with the same rows (all columns, same order), same stats."""
+    """Same shard files, each with the same rows (all columns, same order), same stats; and
+    the same held-out set in `eval/` when there is one."""
     a, b = shards(left), shards(right)
     assert list(a) == list(b) and len(a) >= min_shards
     for name in a:
         assert a[name].equals(b[name]), name
     assert {**stats_of(left), "engine": None} == {**stats_of(right), "engine": None}
+    assert (left / "eval").exists() == (right / "eval").exists()
+    if (left / "eval").exists():
+        assert_same_shards(left / "eval", right / "eval", min_shards=1)
+        assert (left / "eval" / "tokenizer").exists() == (left / "tokenizer").exists()
 
 
 @contextmanager
@@ -93,16 +98,20 @@ def one_cpu_one_task_per_cpu(monkeypatch):
 @pytest.mark.ray
 def test_runs_on_one_or_two_cpus_give_the_shards_of_the_local_prepare(
         ray_2cpu, inputs, tmp_path, bpe_tokenizer, monkeypatch):
-    """With a BPE tokenizer: a run on both CPUs, a run on one CPU with other task groups, and
-    the single-process prepare write identical shards (ids, tokens, lengths, sources, offsets)
-    and `_prepare.json` (but for "engine"); the tokenizer copy is there."""
-    first = prepare_ray(inputs, tmp_path / "two", tokenizer=bpe_tokenizer, progress=False, **ARGS)
+    """With a BPE tokenizer and a held-out split: a run on both CPUs, a run on one CPU with other
+    task groups (JSONL and Parquet files cut into pieces: documents numbered across pieces), and
+    the single-process prepare write identical shards (ids, tokens, lengths, sources, offsets,
+    documents), the same `eval/` and `_prepare.json` (but for "engine"); the tokenizer copy is
+    there."""
+    split = {**ARGS, "eval_fraction": 0.25}
+    first = prepare_ray(inputs, tmp_path / "two", tokenizer=bpe_tokenizer, progress=False, **split)
     with one_cpu_one_task_per_cpu(monkeypatch):
         pieces = prepare_ray_module._list_pieces(collect_input_files(inputs))
         assert sorted({piece["kind"] for piece in pieces}) == ["file", "jsonl", "parquet"]
         assert len(pieces) > 10
-        prepare_ray(inputs, tmp_path / "one", tokenizer=bpe_tokenizer, progress=False, **ARGS)
-    local = prepare(inputs, tmp_path / "local", tokenizer=bpe_tokenizer, **ARGS)
+        prepare_ray(inputs, tmp_path / "one", tokenizer=bpe_tokenizer, progress=False, **split)
+    local = prepare(inputs, tmp_path / "local", tokenizer=bpe_tokenizer, **split)
+    assert local["eval"]["documents"] > 0 and (tmp_path / "local" / "eval").exists()
     assert_same_shards(tmp_path / "two", tmp_path / "one")
     assert_same_shards(tmp_path / "two", tmp_path / "local")
     assert first == {**local, "engine": "ray"} and first["source_files"] == 5

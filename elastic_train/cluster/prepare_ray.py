@@ -3,8 +3,11 @@ exactly those of the single-process `prepare.prepare` for the same inputs and ar
 
 Why exactly the same: a data set's sample ids, rows and shard layout must not depend on how it
 was made (how many CPUs, which engine, which run). The single-process version gathers the rows of
-all files in input order, permutes them with `numpy.random.default_rng(seed).permutation(N)` and
-writes them in that order, `rows_per_shard` to a shard, the id of a row being its position. Here:
+all files in input order, numbers their documents in that order, holds out the documents
+`heldout.held_documents` picks (none without --eval-fraction), permutes the training rows with
+`numpy.random.default_rng(seed).permutation(N)` (and the held-out rows alike, numbered after them:
+`heldout.row_ids`) and writes them in that order, `rows_per_shard` to a shard, the id of a row
+being its position. Here:
 
 1. The driver validates everything it can before any Ray task (arguments, the output, the inputs
    through `sources.collect_input_files`, the tokenizer, which it loads once), and lists the input
@@ -14,20 +17,23 @@ writes them in that order, `rows_per_shard` to a shard, the id of a row being it
    balance the tasks: the grouping changes nothing in the output) and turns each into its rows
    with `sources.gather_rows([file])`, the function the single-process version runs on all files
    (for a slice, with the same `sources` helpers on its records): the rows are those it makes for
-   that file. Each row carries (piece, row index in piece, offset in the piece's token stream).
-   The result is materialized in the object store.
-3. The driver gathers the row and token counts per piece (one small record per piece and block),
-   so row `r` of piece `p` has the global index `g = first_row[p] + r`, its index in the
-   single-process gather, and offsets move by the tokens of the file's earlier pieces. It draws
-   the same permutation and ships its inverse (8 bytes a row, through the object store once), so
-   that id = position = inverse[g] and the shard is `id // rows_per_shard`. Nothing here depends
-   on the block or task layout.
+   that file. Each row carries (piece, row index in piece, offset in the piece's token stream,
+   document number in the piece). The result is materialized in the object store.
+3. The driver gathers the row and token counts and the rows of each document per piece (one
+   small record per piece and block), so row `r` of piece `p` has the global index
+   `g = first_row[p] + r`, its index in the single-process gather, a document `d` of the piece
+   is document `first_doc[p] + d` of the input, and offsets move by the tokens of the file's
+   earlier pieces. It picks the same held-out documents, computes every row's id as the
+   single-process version does (`heldout.row_ids`) and ships them (8 bytes a row, through the
+   object store once); the shard is `id // rows_per_shard`, held-out shards after the training
+   ones. Nothing here depends on the block or task layout.
 4. Write (`groupby("shard").map_groups`, through Ray Data's pull-based sort shuffle: much faster
    here than its default hash shuffle): each group is one shard's rows; the task sorts them by id
-   and writes `part-NNNNN.parquet` itself (local folder or any URI pyarrow.fs opens) with
-   `row_group_size=rows_per_block`, the blocks training reads (`blocks.py`).
-5. The driver writes the tokenizer copy and `_prepare.json` last: the keys of the single-process
-   version plus `"engine": "ray"`.
+   and writes `part-NNNNN.parquet` itself (in `eval/` for a held-out shard; local folder or any
+   URI pyarrow.fs opens) with `row_group_size=rows_per_block`, the blocks training reads
+   (`blocks.py`).
+5. The driver writes the tokenizer copies first and each `_prepare.json` last, the training
+   set's at the very end: the keys of the single-process version plus `"engine": "ray"`.
 
 Errors a task meets (a malformed JSONL line, a Parquet file without the text column) come back
 as the one-line ValueError the single-process version raises: the driver reads the first bad
@@ -69,8 +75,14 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from elastic_train.data.dataset import STATS_FILE, TOKENIZER_DIR, _resolve_dataset_path
+from elastic_train.data.heldout import EVAL_DIR, held_documents, row_ids, split_record
 from elastic_train.data.pieces import summarize_pieces, token_type_for, tokenize_pieces
-from elastic_train.data.prepare import ROWS_PER_BLOCK, _check_output_free, _tokenizer_record
+from elastic_train.data.prepare import (
+    ROWS_PER_BLOCK,
+    _check_arguments,
+    _check_output_free,
+    folder_stats,
+)
 from elastic_train.data.sources import (
     PathLike,
     collect_input_files,
@@ -95,24 +107,32 @@ ENGINES = ("auto", "ray", "local")
 logger = logging.getLogger("elastic_train.prepare")
 
 
-def _assign(table: pa.Table, *, first_rows: np.ndarray, first_tokens: np.ndarray, positions_ref,
-            rows_per_shard: int) -> pa.Table:
-    """Ids and shards: a row's id is its position in the single-process permutation. Offsets
-    move from the piece's token stream to the file's."""
+def _assign(table: pa.Table, *, first_rows: np.ndarray, first_tokens: np.ndarray,
+            first_docs: np.ndarray, ids_ref, train_rows: int, rows_per_shard: int) -> pa.Table:
+    """Ids, documents and shards: a row's id is the one `heldout.row_ids` gives its global index
+    (its position in the single-process permutation of its side); its document number moves
+    from the piece's count to the global one, its offset from the piece's token stream to the
+    file's. Held-out rows (ids from `train_rows` on) go to the shards after the training ones."""
     import ray
 
-    positions = ray.get(positions_ref)
+    ids_by_row = ray.get(ids_ref)
     pieces = table.column("piece").to_numpy()
-    ids = positions[first_rows[pieces] + table.column("row").to_numpy()]
+    ids = ids_by_row[first_rows[pieces] + table.column("row").to_numpy()]
     offsets = first_tokens[pieces] + table.column("offset").to_numpy()
+    docs = first_docs[pieces] + table.column("doc").to_numpy()
+    train_shards = -(-train_rows // rows_per_shard)
+    shards = np.where(ids < train_rows, ids // rows_per_shard,
+                      train_shards + (ids - train_rows) // rows_per_shard)
     return (table.set_column(table.schema.get_field_index("offset"), "offset", pa.array(offsets))
+            .set_column(table.schema.get_field_index("doc"), "doc", pa.array(docs))
             .append_column("id", pa.array(ids))
-            .append_column("shard", pa.array(ids // rows_per_shard)))
+            .append_column("shard", pa.array(shards)))
 
 
 def _write_shard(group: pa.Table, *, output: str, names: list[str], token_type: str,
-                 rows_per_block: int) -> pa.Table:
-    """Write one shard's rows, sorted by id, as `part-NNNNN.parquet`; one summary row back."""
+                 rows_per_block: int, train_shards: int) -> pa.Table:
+    """Write one shard's rows, sorted by id, as `part-NNNNN.parquet` (in `eval/` for a held-out
+    shard); one summary row back: shard, rows, tokens, largest token id."""
     group = group.sort_by("id")
     shard = int(group.column("shard")[0].as_py())
     tokens = group.column("tokens").combine_chunks()
@@ -123,11 +143,16 @@ def _write_shard(group: pa.Table, *, output: str, names: list[str], token_type: 
         "source": pa.array([names[piece] for piece in group.column("piece").to_numpy()],
                            type=pa.string()),
         "offset": group.column("offset").cast(pa.int64()),
+        "doc": group.column("doc").cast(pa.int64()),
     })
     fs, root = _resolve_dataset_path(output)
-    pq.write_table(table, f"{root}/part-{shard:05d}.parquet", filesystem=fs,
+    folder, number = (root, shard) if shard < train_shards else (
+        f"{root}/{EVAL_DIR}", shard - train_shards)
+    pq.write_table(table, f"{folder}/part-{number:05d}.parquet", filesystem=fs,
                    row_group_size=rows_per_block)
-    return pa.table({"shard": [shard], "rows": [len(table)]})
+    flat = pc.list_flatten(tokens)
+    return pa.table({"shard": [shard], "rows": [len(table)], "tokens": [len(flat)],
+                     "max_token": [int(pc.max(flat).as_py() or 0) if len(flat) else 0]})
 
 
 def _jsonl_bounds(file: Path, size: int) -> list[int]:
@@ -231,33 +256,26 @@ def _output_location(output: PathLike) -> tuple[pafs.FileSystem, str, str]:
     return fs, root, shown
 
 
-def _check_arguments(max_seq_len: int, rows_per_shard: int, rows_per_block: int, seed: int) -> None:
-    """The argument checks of `prepare.prepare`, with its messages."""
-    if rows_per_block < 1:
-        raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
-    if max_seq_len < 1 or rows_per_shard < 1:
-        raise ValueError(f"max_seq_len ({max_seq_len}) and rows_per_shard ({rows_per_shard}) "
-                         "must both be at least 1")
-    if seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {seed}")
-
-
-def _create_output(fs: pafs.FileSystem, root: str, shown: str, tokenizer: Tokenizer) -> None:
-    """The output folder, with the tokenizer copy in `tokenizer/` (through a local folder for a
-    URI) unless bytes."""
+def _create_output(fs: pafs.FileSystem, root: str, shown: str, tokenizer: Tokenizer,
+                   held_out: bool) -> None:
+    """The output folder (and `eval/` in it for a held-out set), each with the tokenizer copy
+    in `tokenizer/` (through a local folder for a URI) unless bytes."""
+    folders = [root, f"{root}/{EVAL_DIR}"] if held_out else [root]
     try:
-        fs.create_dir(root, recursive=True)
+        for folder in folders:
+            fs.create_dir(folder, recursive=True)
     except OSError as exc:
         raise ValueError(f"output '{shown}' cannot be created: {exc}") from None
     if tokenizer.kind == "bytes":
         return
-    if isinstance(fs, pafs.LocalFileSystem):
-        tokenizer.save(Path(root) / TOKENIZER_DIR)
-        return
-    with tempfile.TemporaryDirectory(prefix="elastic_train-tokenizer-") as scratch:
-        tokenizer.save(scratch)
-        pafs.copy_files(scratch, f"{root}/{TOKENIZER_DIR}", source_filesystem=pafs.LocalFileSystem(),
-                        destination_filesystem=fs)
+    for folder in folders:
+        if isinstance(fs, pafs.LocalFileSystem):
+            tokenizer.save(Path(folder) / TOKENIZER_DIR)
+            continue
+        with tempfile.TemporaryDirectory(prefix="elastic_train-tokenizer-") as scratch:
+            tokenizer.save(scratch)
+            pafs.copy_files(scratch, f"{folder}/{TOKENIZER_DIR}",
+                            source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
 
 @contextmanager
@@ -299,8 +317,9 @@ def _data_context(progress: bool) -> Iterator[None]:
 
 def _tokenize_all(files: list[Path], tokenizer: Tokenizer, cpus: int, max_seq_len: int,
                   text_field: str) -> tuple:
-    """Stages 1 and 2: the pieces, their materialized rows, and per piece its rows, tokens and
-    largest token id (arrays indexed by piece). Raises the first bad file's ValueError."""
+    """Stages 1 and 2: the pieces, their materialized rows, and per piece its rows, tokens,
+    largest token id (arrays indexed by piece) and rows per document (a list of arrays). Raises
+    the first bad file's ValueError."""
     import ray
 
     pieces = _list_pieces(files)
@@ -316,43 +335,66 @@ def _tokenize_all(files: list[Path], tokenizer: Tokenizer, cpus: int, max_seq_le
         file = files[pieces[errors[0][0]]["file"]]
         raise _local_error(file, tokenizer, max_seq_len, text_field) or ValueError(errors[0][1])
     rows, tokens, top = (np.zeros(len(pieces), dtype=np.int64) for _ in range(3))
+    doc_rows = [np.zeros(0, dtype=np.int64) for _ in pieces]
     for record in summary:
-        rows[record["piece"]] += record["rows"]
-        tokens[record["piece"]] += record["tokens"]
-        top[record["piece"]] = max(top[record["piece"]], record["max_token"])
-    return pieces, tokenized, rows, tokens, top
+        piece, first, counts = record["piece"], record["first_doc"], record["doc_rows"]
+        rows[piece] += record["rows"]
+        tokens[piece] += record["tokens"]
+        top[piece] = max(top[piece], record["max_token"])
+        if len(doc_rows[piece]) < first + len(counts):
+            doc_rows[piece] = np.pad(doc_rows[piece], (0, first + len(counts) - len(doc_rows[piece])))
+        doc_rows[piece][first:first + len(counts)] += np.asarray(counts, dtype=np.int64)
+    if any(int(counts.sum()) != rows[piece] for piece, counts in enumerate(doc_rows)):
+        raise RuntimeError("the tokenize stage's rows per document do not add up to its rows")
+    return pieces, tokenized, rows, tokens, top, doc_rows
 
 
-def _write_all(tokenized, pieces: list[dict], rows: np.ndarray, tokens: np.ndarray, *, cpus: int,
-               seed: int, rows_per_shard: int, rows_per_block: int, target: str, names: list[str],
-               token_type: np.dtype) -> int:
-    """Stages 3 and 4: ids from the single-process permutation, then one task per shard writes
-    it. Returns the number of shards written."""
+def _write_all(tokenized, pieces: list[dict], rows: np.ndarray, tokens: np.ndarray,
+               doc_rows: list[np.ndarray], held: np.ndarray, *, cpus: int, seed: int,
+               rows_per_shard: int, rows_per_block: int, target: str, names: list[str],
+               token_type: np.dtype) -> tuple[int, list[dict]]:
+    """Stages 3 and 4: ids from the single-process split and permutations (`heldout.row_ids`),
+    then one task per shard writes it. Returns the number of training rows and a record per
+    shard written (shard, rows, tokens, max_token), training shards first."""
     import ray
 
-    total = int(rows.sum())
     first_rows = np.zeros(len(rows), dtype=np.int64)
     np.cumsum(rows[:-1], out=first_rows[1:])
     first_tokens = np.zeros(len(rows), dtype=np.int64)  # where a piece starts in its file
     for index in range(1, len(pieces)):
         if pieces[index]["file"] == pieces[index - 1]["file"]:
             first_tokens[index] = first_tokens[index - 1] + tokens[index - 1]
-    permutation = np.random.default_rng(seed).permutation(total)
-    positions = np.empty(total, dtype=np.int64)
-    positions[permutation] = np.arange(total, dtype=np.int64)
-    assign = {"first_rows": first_rows, "first_tokens": first_tokens,
-              "positions_ref": ray.put(positions), "rows_per_shard": rows_per_shard}
+    first_docs = np.zeros(len(rows), dtype=np.int64)  # a piece's first document, globally
+    np.cumsum(np.array([len(counts) for counts in doc_rows[:-1]], dtype=np.int64),
+              out=first_docs[1:])
+    ids, train_rows = row_ids(np.repeat(held, np.concatenate(doc_rows)), seed)
+    assign = {"first_rows": first_rows, "first_tokens": first_tokens, "first_docs": first_docs,
+              "ids_ref": ray.put(ids), "train_rows": train_rows, "rows_per_shard": rows_per_shard}
+    train_shards = -(-train_rows // rows_per_shard)
     write = {"output": target, "names": [names[piece["file"]] for piece in pieces],
-             "token_type": token_type.name, "rows_per_block": rows_per_block}
-    expected = -(-total // rows_per_shard)
+             "token_type": token_type.name, "rows_per_block": rows_per_block,
+             "train_shards": train_shards}
+    expected = train_shards + -(-(len(ids) - train_rows) // rows_per_shard)
     written = (tokenized.map_batches(_assign, batch_size=None, batch_format="pyarrow", fn_kwargs=assign)
                .groupby("shard", num_partitions=min(expected, TASKS_PER_CPU * cpus))
                .map_groups(_write_shard, batch_format="pyarrow", fn_kwargs=write)
                .take_all())
-    shards = sorted(record["shard"] for record in written)
-    if shards != list(range(expected)) or sum(record["rows"] for record in written) != total:
+    written.sort(key=lambda record: record["shard"])
+    shards = [record["shard"] for record in written]
+    if shards != list(range(expected)) or sum(record["rows"] for record in written) != len(ids):
         raise RuntimeError(f"the write stage wrote shards {shards}, not 0..{expected - 1}")
-    return expected
+    return train_rows, written
+
+
+def _side_counts(records: list[dict]) -> dict:
+    """Rows, tokens, shards and largest token id of one side's shard records."""
+    return {"rows": sum(r["rows"] for r in records), "tokens": sum(r["tokens"] for r in records),
+            "shards": len(records), "max_token_id": max((r["max_token"] for r in records), default=0)}
+
+
+def _write_stats(fs: pafs.FileSystem, folder: str, stats: dict) -> None:
+    with fs.open_output_stream(f"{folder}/{STATS_FILE}") as handle:
+        handle.write((json.dumps(stats, indent=2, sort_keys=True) + "\n").encode())
 
 
 def summary_line(stats: dict, seconds: float) -> str:
@@ -371,19 +413,21 @@ def prepare_ray(
     seed: int = 0,
     tokenizer: Tokenizer | PathLike | None = None,
     text_field: str = "text",
+    eval_fraction: float = 0.0,
     num_cpus: int | None = None,
     progress: bool = True,
 ) -> dict:
     """`prepare.prepare` as a Ray Data pipeline (see the module docstring): the same arguments,
-    the same shards and ids, and the same `_prepare.json` plus `"engine": "ray"`, which it
-    returns. `output` may also be a URI pyarrow.fs understands. `num_cpus`: CPUs of the local
-    cluster started when this process has no Ray yet and `RAY_ADDRESS` is unset (default: all).
-    `progress`: Ray Data's progress bars, and the final line on stderr.
+    the same shards and ids (the held-out `eval/` too), and the same `_prepare.json` plus
+    `"engine": "ray"`, which it returns. `output` may also be a URI pyarrow.fs understands.
+    `num_cpus`: CPUs of the local cluster started when this process has no Ray yet and
+    `RAY_ADDRESS` is unset (default: all). `progress`: Ray Data's progress bars, and the final
+    line on stderr.
 
     Raises ValueError naming the culprit, as `prepare.prepare` does; all the checks that need no
     tokenizing run before Ray starts.
     """
-    _check_arguments(max_seq_len, rows_per_shard, rows_per_block, seed)
+    _check_arguments(max_seq_len, rows_per_shard, rows_per_block, seed, eval_fraction)
     fs, root, target = _output_location(output)
     if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
         tokenizer = load_tokenizer(tokenizer)
@@ -394,31 +438,29 @@ def prepare_ray(
         raise ValueError(no_text)
     started = time.perf_counter()
     with _ray_cluster(num_cpus) as cpus, _data_context(progress):
-        pieces, tokenized, rows, tokens, top = _tokenize_all(files, tokenizer, cpus, max_seq_len,
-                                                             text_field)
+        pieces, tokenized, rows, tokens, top, doc_rows = _tokenize_all(
+            files, tokenizer, cpus, max_seq_len, text_field)
         if rows.sum() == 0:
             raise ValueError(no_text)
         warn_skipped(skipped)
+        held = held_documents(sum(len(counts) for counts in doc_rows), eval_fraction, seed)
         token_type = token_type_for(max(int(tokenizer.vocab_size) - 1, int(top.max())))
-        _create_output(fs, root, str(output), tokenizer)
-        shards = _write_all(tokenized, pieces, rows, tokens, cpus=cpus, seed=seed,
-                            rows_per_shard=rows_per_shard, rows_per_block=rows_per_block,
-                            target=target, names=[str(file) for file in files],
-                            token_type=token_type)
-    stats = {
-        "rows": int(rows.sum()),
-        "tokens": int(tokens.sum()),
-        "max_seq_len": max_seq_len,
-        "shards": shards,
-        "source_files": len(files),
-        "skipped_binary_files": len(skipped),
-        "tokenizer": _tokenizer_record(tokenizer),
-        "max_token_id": int(top.max()),
-        "token_type": token_type.name,
-        "engine": "ray",
-    }
-    with fs.open_output_stream(f"{root}/{STATS_FILE}") as handle:
-        handle.write((json.dumps(stats, indent=2, sort_keys=True) + "\n").encode())
+        _create_output(fs, root, str(output), tokenizer, bool(held.any()))
+        train_rows, written = _write_all(
+            tokenized, pieces, rows, tokens, doc_rows, held, cpus=cpus, seed=seed,
+            rows_per_shard=rows_per_shard, rows_per_block=rows_per_block, target=target,
+            names=[str(file) for file in files], token_type=token_type)
+    common = {"max_seq_len": max_seq_len, "source_files": len(files), "skipped": len(skipped),
+              "tokenizer": tokenizer, "token_type": token_type}
+    train_shards = -(-train_rows // rows_per_shard)
+    stats = {**folder_stats(_side_counts(written[:train_shards]), **common), "engine": "ray"}
+    if held.any():
+        counts = _side_counts(written[train_shards:])
+        _write_stats(fs, f"{root}/{EVAL_DIR}", {**folder_stats(counts, **common), "engine": "ray",
+                                                "held_out": {"fraction": eval_fraction}})
+        stats["eval"] = split_record(eval_fraction, int(held.sum()), counts["rows"],
+                                     counts["tokens"])
+    _write_stats(fs, root, stats)
     if progress:
         print(summary_line(stats, time.perf_counter() - started), file=sys.stderr, flush=True)
     return stats

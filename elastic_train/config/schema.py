@@ -63,7 +63,9 @@ class DataConfig:
     seed: int = 0  # fixes the order of every epoch
     record_ids: bool = False  # write consumed/*.jsonl: the sample ids of each (attempt, rank, step)
     bucketing: bool = True  # length-bucketed batches; False: random batches (for comparison)
-    max_seq_len: int = 512  # longest row, in tokens; prepare splits longer documents
+    # longest row, in tokens (prepare splits longer documents); None: the data set's own, as
+    # `_prepare.json` records it (else its longest row), filled in before the run starts
+    max_seq_len: int | None = None
     micro_batch_tokens: int = 2048  # padded tokens (rows x longest row) in one micro-batch
     global_batch_tokens: int = 16384  # padded-token budget of one optimizer step, any world size
     shuffle_window: int = 1024  # rows shuffled, sorted by length and bucketed together
@@ -146,9 +148,13 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    # held-out data: a prepared data set of its own, or this share of data.path's blocks (whole
-    # Parquet row groups, picked by a salted hash of their file and row group) never trained on
+    # held-out data, never trained on: a prepared data set of its own
     path: str | None = None
+    # > 0: evaluate on data.path's held-out documents, the `eval/` set that `prepare
+    # --eval-fraction F` wrote beside its shards, whole documents none of whose rows is trained
+    # on (F is the share prepare held out; this value only switches evaluation on). A data set
+    # with a `doc` column but no such set is refused; one without `doc` (made by another tool)
+    # has this share of its blocks held out (whole Parquet row groups, by a salted hash)
     fraction: float = 0.0
     every_steps: int = 0  # evaluate after every N steps (0: only at the end) and at the end
     max_batches: int | None = None  # bound an evaluation to its first N global batches

@@ -186,9 +186,10 @@ def _validate_data(d: DataConfig, s: ScalingConfig) -> None:
     _require(d.path is None or bool(d.path.strip()), "data.path: an empty path (null: the "
                                                      "embedded corpus)")
     _at_least("data.seed", d.seed, 0)
-    _require(d.max_seq_len >= 2, f"data.max_seq_len must be >= 2, got {d.max_seq_len}")
+    _require(d.max_seq_len is None or d.max_seq_len >= 2,
+             f"data.max_seq_len must be >= 2, got {d.max_seq_len}")
     _require(
-        d.micro_batch_tokens >= d.max_seq_len,
+        d.max_seq_len is None or d.micro_batch_tokens >= d.max_seq_len,
         f"data.micro_batch_tokens ({d.micro_batch_tokens}) is smaller than data.max_seq_len "
         f"({d.max_seq_len}): the longest row would not fit in a micro-batch",
     )

@@ -50,6 +50,10 @@ class DatasetInfo:
     tokenizer_kind: str | None = None  # "bytes" | "hf"
     tokenizer_path: str | None = None  # the tokenizer copy folder inside `filesystem`, if any
     columns: tuple[str, ...] = ()  # the columns every shard has, in the first shard's order
+    max_seq_len: int | None = None  # the longest row `prepare` was asked for (--max-seq-len)
+    # the held-out set `prepare --eval-fraction` wrote: {path (inside `filesystem`), fraction,
+    # documents, rows, tokens}; None when there is none
+    eval_split: dict | None = None
 
 
 def _resolve_dataset_path(path: str) -> tuple[pafs.FileSystem, str]:
@@ -117,11 +121,23 @@ def _int_or_none(mapping: dict, key: str) -> int | None:
     return value
 
 
-def _recorded_tokenizer(fs: pafs.FileSystem, root: str) -> dict:
-    """DatasetInfo's tokenizer fields, from `_prepare.json` and `tokenizer/` in folder `root`
-    (all None without `_prepare.json`). ValueError naming `_prepare.json` if it is corrupt."""
+def _recorded_split(stats: dict, root: str) -> dict | None:
+    """The `eval` section of `_prepare.json`, its path made one inside the filesystem."""
+    split = stats.get("eval")
+    if split is None:
+        return None
+    if not isinstance(split, dict) or not isinstance(split.get("path"), str) or not isinstance(
+            split.get("fraction"), int | float):
+        raise ValueError(f"'eval' is {split!r}, not an object with a 'path' and a 'fraction'")
+    return {**split, "path": f"{root}/{split['path']}"}
+
+
+def _recorded(fs: pafs.FileSystem, root: str) -> dict:
+    """DatasetInfo's fields that `_prepare.json` and `tokenizer/` in folder `root` give: the
+    tokenizer's, max_seq_len, the held-out split (all None without `_prepare.json`).
+    ValueError naming `_prepare.json` if it is corrupt."""
     fields = dict.fromkeys(("vocab_size", "max_token_id", "eos_id", "pad_id", "tokenizer_kind",
-                            "tokenizer_path"))
+                            "tokenizer_path", "max_seq_len", "eval_split"))
     stats_path = f"{root}/{STATS_FILE}"
     if fs.get_file_info(stats_path).type != pafs.FileType.File:
         return fields
@@ -138,7 +154,9 @@ def _recorded_tokenizer(fs: pafs.FileSystem, root: str) -> dict:
                       eos_id=_int_or_none(section, "eos_id"),
                       pad_id=_int_or_none(section, "pad_id"),
                       max_token_id=_int_or_none(stats, "max_token_id"),
-                      tokenizer_kind=section["kind"])
+                      tokenizer_kind=section["kind"],
+                      max_seq_len=_int_or_none(stats, "max_seq_len"),
+                      eval_split=_recorded_split(stats, root))
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"dataset file '{stats_path}' is corrupt: {exc}") from exc
     copy = f"{root}/{TOKENIZER_DIR}"
@@ -150,7 +168,7 @@ def _recorded_tokenizer(fs: pafs.FileSystem, root: str) -> dict:
 def inspect_dataset(path: str) -> DatasetInfo:
     """Check a folder of Parquet shards (local, or any URI pyarrow.fs understands), count its
     rows and longest sample from metadata, never reading `tokens`, and read what
-    `_prepare.json` records of its tokenizer.
+    `_prepare.json` records: its tokenizer, max_seq_len, and the held-out split.
 
     Raises ValueError naming the path if it does not exist, holds no .parquet files, lacks
     the `id`, `tokens` or `length` columns, has a non-integer `length`, or has no rows, and
@@ -175,7 +193,7 @@ def inspect_dataset(path: str) -> DatasetInfo:
     if rows == 0:
         raise ValueError(f"dataset '{path}' is empty: its Parquet files hold no rows")
     is_folder = fs.get_file_info(root).type == pafs.FileType.Directory
-    recorded = _recorded_tokenizer(fs, root) if is_folder else {}
+    recorded = _recorded(fs, root) if is_folder else {}
     return DatasetInfo(path=root, filesystem=fs, files=files, rows=rows, max_length=max_length,
                        columns=tuple(columns or ()), **recorded)
 
@@ -207,14 +225,14 @@ def dataset_blocks(info: DatasetInfo) -> BlockTable:
 
 def extra_columns(info: DatasetInfo) -> tuple[str, ...]:
     """Numeric columns of the data set beyond id/tokens/length (e.g. `label`): they reach the
-    loss in the batch. `source` and `offset` (written by prepare) are left out."""
+    loss in the batch. `source`, `offset` and `doc` (written by prepare) are left out."""
     with info.filesystem.open_input_file(info.files[0]) as f:
         schema = pq.read_schema(f)
     def numeric(t) -> bool:
         if pa.types.is_list(t) or pa.types.is_large_list(t):
             t = t.value_type
         return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
-    skip = {"id", "tokens", "length", "source", "offset"}
+    skip = {"id", "tokens", "length", "source", "offset", "doc"}
     return tuple(f.name for f in schema if f.name not in skip and numeric(f.type))
 
 

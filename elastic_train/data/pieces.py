@@ -22,7 +22,7 @@ from elastic_train.data.dataset import INT16_MAX
 from elastic_train.data.sources import (
     PARQUET_BATCH_ROWS,
     _jsonl_text,
-    _record_rows,
+    _record_documents,
     _RowBuffer,
     gather_rows,
 )
@@ -39,7 +39,7 @@ def tokenized_schema(token_type: str) -> pa.Schema:
     reported is that of the first bad file in input order, as with the single-process version."""
     return pa.schema([("piece", pa.int32()), ("row", pa.int64()),
                       ("tokens", pa.list_(pa.from_numpy_dtype(np.dtype(token_type)))),
-                      ("offset", pa.int64()), ("error", pa.string())])
+                      ("offset", pa.int64()), ("doc", pa.int64()), ("error", pa.string())])
 
 
 def token_type_for(widest: int) -> np.dtype:
@@ -81,12 +81,13 @@ def _slice_texts(piece: dict, text_field: str) -> Iterator[str]:
 
 def _piece_rows(piece: dict, tokenizer: Tokenizer, max_seq_len: int, text_field: str
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """`gather_rows` of one piece: a whole file, or a slice of a JSONL or Parquet file."""
+    """`gather_rows` of one piece: a whole file, or a slice of a JSONL or Parquet file (its
+    documents numbered from 0 within the piece)."""
     if piece["kind"] == "file":
         return gather_rows([Path(piece["path"])], tokenizer, max_seq_len, text_field)
     rows = _RowBuffer()
-    for ids in _record_rows(_slice_texts(piece, text_field), tokenizer, max_seq_len):
-        rows.add(0, ids)
+    rows.add_documents(0, _record_documents(_slice_texts(piece, text_field), tokenizer,
+                                            max_seq_len), 0)
     return rows.finish()
 
 
@@ -106,7 +107,7 @@ def tokenize_pieces(batch: pa.Table, *, tokenizer_blob: bytes, max_seq_len: int,
                                  f"({tokenizer.vocab_size}) of the tokenizer")
         except ValueError as exc:
             tables.append(pa.table({"piece": [index], "row": [-1], "tokens": [[]], "offset": [-1],
-                                    "error": [str(exc)]}, schema=schema))
+                                    "doc": [-1], "error": [str(exc)]}, schema=schema))
             continue
         if len(spans) == 0:
             continue
@@ -116,24 +117,34 @@ def tokenize_pieces(batch: pa.Table, *, tokenizer_blob: bytes, max_seq_len: int,
         tables.append(pa.table({
             "piece": pa.array(np.full(len(spans), index, dtype=np.int32)),
             "row": pa.array(np.arange(len(spans), dtype=np.int64)),
-            "tokens": tokens, "offset": pa.array(spans[:, 1]),
+            "tokens": tokens, "offset": pa.array(spans[:, 1]), "doc": pa.array(spans[:, 4]),
             "error": pa.nulls(len(spans), pa.string())}, schema=schema))
     return pa.concat_tables(tables)
 
 
 def summarize_pieces(table: pa.Table) -> pa.Table:
     """Rows, tokens, largest token id and error per piece of one block (a piece may span
-    blocks)."""
+    blocks), and its rows per document: `doc_rows[i]` rows of the piece's document
+    `first_doc + i` lie in this block (the driver adds up the blocks of a piece)."""
     pieces = table.column("piece").to_numpy()
+    docs = table.column("doc").to_numpy()
     lengths = pc.list_value_length(table.column("tokens")).to_numpy(zero_copy_only=False)
     errors = table.column("error").to_pylist()
-    summary: dict[str, list] = {"piece": [], "rows": [], "tokens": [], "max_token": [], "error": []}
+    summary: dict[str, list] = {"piece": [], "rows": [], "tokens": [], "max_token": [], "error": [],
+                                "first_doc": [], "doc_rows": []}
     for piece in np.unique(pieces):
         chosen = pieces == piece
         flat = pc.list_flatten(table.column("tokens").filter(pa.array(chosen)))
+        ours = docs[chosen & (docs >= 0)]
+        first = int(ours.min()) if len(ours) else 0
         summary["piece"].append(int(piece))
         summary["rows"].append(int(chosen.sum()))
         summary["tokens"].append(int(lengths[chosen].sum()))
         summary["max_token"].append(int(pc.max(flat).as_py() or 0))
         summary["error"].append(next((errors[i] for i in np.flatnonzero(chosen) if errors[i]), None))
-    return pa.table(summary)
+        summary["first_doc"].append(first)
+        summary["doc_rows"].append(np.bincount(ours - first).tolist() if len(ours) else [])
+    return pa.table(summary, schema=pa.schema([
+        ("piece", pa.int64()), ("rows", pa.int64()), ("tokens", pa.int64()),
+        ("max_token", pa.int64()), ("error", pa.string()), ("first_doc", pa.int64()),
+        ("doc_rows", pa.list_(pa.int64()))]))

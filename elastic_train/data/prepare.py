@@ -2,12 +2,18 @@
 
 A prepared dataset is a folder of `part-NNNNN.parquet` files with the columns
 `id` (int64, unique, 0..N-1), `tokens` (list<int16>, or list<int32> when the tokenizer's ids do
-not fit int16), `length` (int32), plus `source` (the input file a row came from) and `offset`
+not fit int16), `length` (int32), plus `source` (the input file a row came from), `offset`
 (where the row starts in that file's token stream: its documents' tokens in order, each with
 the tokenizer's EOS after it; for bytes without a tokenizer, the byte offset in the file), so
-that every token of the input can be traced to exactly one row. Beside the shards,
-`_prepare.json` records the counts, the tokenizer ({kind, vocab_size, eos_id, pad_id}) and
-`max_token_id`, and `tokenizer/` holds a copy of the tokenizer (absent for bytes).
+that every token of the input can be traced to exactly one row, and `doc` (int64: the number of
+the document the row was cut from, in input order). Beside the shards, `_prepare.json` records
+the counts, the tokenizer ({kind, vocab_size, eos_id, pad_id}), `max_token_id` and
+`max_seq_len`, and `tokenizer/` holds a copy of the tokenizer (absent for bytes).
+
+With `eval_fraction` F > 0 the documents whose salted hash falls below F go, all their rows,
+into `eval/` instead, a prepared data set of its own (shards, `_prepare.json`, tokenizer copy)
+with ids N.. after the training rows' 0..N-1; the training set's `_prepare.json` records the
+split under `eval` (`heldout.py`), and training evaluates on it.
 
 Inputs are text files, JSONL and Parquet files, or folders of them (see `sources`). Without a
 tokenizer the tokens are UTF-8 bytes (vocabulary 256, no EOS). With one, each document (a
@@ -35,6 +41,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elastic_train.data.dataset import INT16_MAX, STATS_FILE, TOKENIZER_DIR
+from elastic_train.data.heldout import (
+    EVAL_DIR,
+    check_fraction,
+    held_documents,
+    row_ids,
+    split_record,
+)
 from elastic_train.data.sources import (
     PathLike,
     collect_input_files,
@@ -51,7 +64,11 @@ DEFAULT_CORPUS_BYTES = 4_000_000
 # Part of the default corpus's cache folder name: bump it whenever the files chosen, the way
 # they are cut or what `_prepare.json` records changes, so that a corpus cached by an older
 # version is not reused.
-CORPUS_FORMAT = 4
+CORPUS_FORMAT = 5
+# Rows of the default corpus when data.max_seq_len is unset (then it is taken from the corpus).
+DEFAULT_CORPUS_SEQ_LEN = 512
+# Documents of the default corpus held out in its `eval/` (the default config's eval.fraction).
+DEFAULT_CORPUS_EVAL_FRACTION = 0.03
 # Folders of the standard library left out of the default corpus: tests, GUI code, vendored
 # or generated data tables, and third-party packages that happen to live next to it.
 STDLIB_EXCLUDED_DIRS = frozenset({
@@ -75,7 +92,35 @@ def _shard_table(first_id: int, spans: np.ndarray, values: np.ndarray, names: li
         "length": pa.array(lengths),
         "source": pa.array([names[index] for index in spans[:, 0]], type=pa.string()),
         "offset": pa.array(spans[:, 1]),
+        "doc": pa.array(spans[:, 4]),
     })
+
+
+def _write_folder(folder: Path, spans: np.ndarray, values: np.ndarray, *, first_id: int,
+                  names: list[str], token_type: np.dtype, rows_per_shard: int,
+                  rows_per_block: int) -> dict:
+    """Write rows `spans` (in id order, ids from `first_id`) as `folder/part-NNNNN.parquet`;
+    the counts `_prepare.json` records of them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    starts = range(0, len(spans), rows_per_shard)
+    tokens, max_token_id = 0, 0
+    for shard, first in enumerate(starts):
+        table = _shard_table(first_id + first, spans[first:first + rows_per_shard], values, names,
+                             token_type)
+        pq.write_table(table, folder / f"part-{shard:05d}.parquet", row_group_size=rows_per_block)
+        flat = table.column("tokens").combine_chunks().values.to_numpy()
+        tokens += len(flat)
+        max_token_id = max(max_token_id, int(flat.max()) if len(flat) else 0)
+    return {"rows": len(spans), "tokens": tokens, "shards": len(starts),
+            "max_token_id": max_token_id}
+
+
+def folder_stats(counts: dict, *, max_seq_len: int, source_files: int, skipped: int,
+                 tokenizer: Tokenizer, token_type: np.dtype) -> dict:
+    """The `_prepare.json` of one prepared folder (both engines write it)."""
+    return {**counts, "max_seq_len": max_seq_len, "source_files": source_files,
+            "skipped_binary_files": skipped, "tokenizer": _tokenizer_record(tokenizer),
+            "token_type": token_type.name}
 
 
 def _tokenizer_record(tokenizer: Tokenizer) -> dict:
@@ -94,26 +139,24 @@ def prepare(
     seed: int = 0,
     tokenizer: Tokenizer | PathLike | None = None,
     text_field: str = "text",
+    eval_fraction: float = 0.0,
 ) -> dict:
     """Turn text files, JSONL and Parquet files, or folders of them, into shuffled Parquet
     shards of tokens (a folder of Parquet that is tokenized already, with id/tokens/length and
     no text column, is only re-chunked into `rows_per_block`-row groups: `rechunk.py`): UTF-8
     bytes, or `tokenizer`'s (a Tokenizer, or a path `load_tokenizer`
     loads) with its EOS after each document. `text_field` names the text of JSONL/Parquet.
+    `eval_fraction`: the share of documents held out, all their rows, into `output/eval/`, a
+    prepared data set of its own (`heldout.py`).
 
-    Writes `output/tokenizer/` (unless bytes), `output/part-NNNNN.parquet`, then
-    `output/_prepare.json`, and returns the stats written there. Text files that look binary
-    are skipped with a warning that counts them. Raises ValueError naming the culprit if the
-    tokenizer does not load, an input is missing or malformed, no text is found, or `output`
-    is empty or already contains Parquet files.
+    Writes `output/tokenizer/` (unless bytes), `output/part-NNNNN.parquet`, the held-out set,
+    then `output/_prepare.json` (last: its presence means the whole is written), and returns
+    the stats written there. Text files that look binary are skipped with a warning that counts
+    them. Raises ValueError naming the culprit if the tokenizer does not load, an input is
+    missing or malformed, no text is found, or `output` is empty or already contains Parquet
+    files.
     """
-    if rows_per_block < 1:
-        raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
-    if max_seq_len < 1 or rows_per_shard < 1:
-        raise ValueError(f"max_seq_len ({max_seq_len}) and rows_per_shard ({rows_per_shard}) "
-                         "must both be at least 1")
-    if seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {seed}")
+    _check_arguments(max_seq_len, rows_per_shard, rows_per_block, seed, eval_fraction)
     if not str(output).strip():
         raise ValueError("--output: an empty path")
     out = Path(output)
@@ -130,34 +173,49 @@ def prepare(
     if len(spans) == 0:
         raise ValueError(no_text_message(inputs, skipped))
     warn_skipped(skipped)
-    spans = spans[np.random.default_rng(seed).permutation(len(spans))]
-    max_token_id = int(values.max())
-    widest = max(int(tokenizer.vocab_size) - 1, max_token_id)
+    held = held_documents(int(spans[-1, 4]) + 1, eval_fraction, seed)
+    ids, train_rows = row_ids(held[spans[:, 4]], seed)
+    order = np.empty_like(ids)
+    order[ids] = np.arange(len(ids))
+    spans = spans[order]  # in id order: training rows, then held-out rows
+    widest = max(int(tokenizer.vocab_size) - 1, int(values.max()))
     token_type = np.dtype(np.int16 if widest <= INT16_MAX else np.int32)
-    names = [str(file) for file in files]
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"output '{out}' cannot be created: {exc.strerror or exc}") from None
-    if tokenizer.kind != "bytes":
-        tokenizer.save(out / TOKENIZER_DIR)
-    starts = range(0, len(spans), rows_per_shard)
-    for shard, first in enumerate(starts):
-        table = _shard_table(first, spans[first:first + rows_per_shard], values, names, token_type)
-        pq.write_table(table, out / f"part-{shard:05d}.parquet", row_group_size=rows_per_block)
-    stats = {
-        "rows": len(spans),
-        "tokens": int(values.size),
-        "max_seq_len": max_seq_len,
-        "shards": len(starts),
-        "source_files": len(files),
-        "skipped_binary_files": len(skipped),
-        "tokenizer": _tokenizer_record(tokenizer),
-        "max_token_id": max_token_id,
-        "token_type": token_type.name,
-    }
+    common = {"max_seq_len": max_seq_len, "source_files": len(files), "skipped": len(skipped),
+              "tokenizer": tokenizer, "token_type": token_type}
+    write = {"names": [str(file) for file in files], "token_type": token_type,
+             "rows_per_shard": rows_per_shard, "rows_per_block": rows_per_block}
+    for folder in [out, out / EVAL_DIR] if held.any() else [out]:
+        if tokenizer.kind != "bytes":
+            tokenizer.save(folder / TOKENIZER_DIR)
+    stats = folder_stats(_write_folder(out, spans[:train_rows], values, first_id=0, **write),
+                         **common)
+    if held.any():
+        counts = _write_folder(out / EVAL_DIR, spans[train_rows:], values, first_id=train_rows,
+                               **write)
+        eval_stats = {**folder_stats(counts, **common), "held_out": {"fraction": eval_fraction}}
+        (out / EVAL_DIR / STATS_FILE).write_text(json.dumps(eval_stats, indent=2, sort_keys=True)
+                                                 + "\n")
+        stats["eval"] = split_record(eval_fraction, int(held.sum()), counts["rows"],
+                                     counts["tokens"])
     (out / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
     return stats
+
+
+def _check_arguments(max_seq_len: int, rows_per_shard: int, rows_per_block: int, seed: int,
+                     eval_fraction: float) -> None:
+    """ValueError naming the argument that cannot be used (both engines check these)."""
+    if rows_per_block < 1:
+        raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
+    if max_seq_len < 1 or rows_per_shard < 1:
+        raise ValueError(f"max_seq_len ({max_seq_len}) and rows_per_shard ({rows_per_shard}) "
+                         "must both be at least 1")
+    if seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {seed}")
+    check_fraction(eval_fraction)
 
 
 def _check_output_free(output: Path) -> None:
@@ -191,14 +249,17 @@ def stdlib_source_files(max_total_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Pat
     return chosen
 
 
-def default_corpus_dir(max_seq_len: int = 256, cache_root: PathLike | None = None) -> Path:
-    """The embedded default corpus, prepared once from standard library source and cached.
+def default_corpus_dir(max_seq_len: int | None = None, cache_root: PathLike | None = None) -> Path:
+    """The embedded default corpus, prepared once from standard library source and cached, with
+    `DEFAULT_CORPUS_EVAL_FRACTION` of its documents held out in `eval/` (the default config's
+    eval.fraction); rows of at most `max_seq_len` tokens (None: `DEFAULT_CORPUS_SEQ_LEN`).
 
     The cache folder is `<root>/stdlib-<max_seq_len>-<python version>-v<CORPUS_FORMAT>`, root
     `cache_root`, else $ELASTIC_TRAIN_CACHE, else ~/.cache/elastic_train. It is prepared in a
     temporary folder next to it and renamed into place, so it is either whole or absent;
     when concurrent processes race, the first rename wins and the others use its result.
     """
+    max_seq_len = max_seq_len or DEFAULT_CORPUS_SEQ_LEN
     root = Path(cache_root or os.environ.get("ELASTIC_TRAIN_CACHE")
                 or Path.home() / ".cache" / "elastic_train").expanduser()
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -208,7 +269,8 @@ def default_corpus_dir(max_seq_len: int = 256, cache_root: PathLike | None = Non
     root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:
-        prepare(stdlib_source_files(), scratch, max_seq_len=max_seq_len)
+        prepare(stdlib_source_files(), scratch, max_seq_len=max_seq_len,
+                eval_fraction=DEFAULT_CORPUS_EVAL_FRACTION)
         os.rename(scratch, final)
     except OSError as exc:
         if not (final / STATS_FILE).is_file():
@@ -216,5 +278,3 @@ def default_corpus_dir(max_seq_len: int = 256, cache_root: PathLike | None = Non
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return final
-
-

@@ -4,6 +4,7 @@ huge row groups) into row groups of `rows_per_block` rows, the unit a training r
 `elastic-train prepare FOLDER --output NEW --rows-per-block N`, where FOLDER holds Parquet shards
 with `id`, `tokens` and `length` columns (and no text column), lands here: every column and every
 id is kept, one output shard per input shard, streamed a record batch at a time (bounded memory).
+A held-out set that `prepare --eval-fraction` wrote beside the shards (`eval/`) is re-chunked too.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def rechunk(source: str | Path, output: str | Path, rows_per_block: int) -> dict
         recorded = json.loads(stats_path.read_text())
     if (Path(info.path) / TOKENIZER_DIR).is_dir():
         shutil.copytree(Path(info.path) / TOKENIZER_DIR, out / TOKENIZER_DIR)
+    if info.eval_split is not None:  # the held-out set goes along, re-chunked alike
+        rechunk(info.eval_split["path"], out / recorded["eval"]["path"], rows_per_block)
     stats = {**recorded, "rows": info.rows, "tokens": tokens, "shards": len(info.files),
              "max_token_id": max_token_id, "rows_per_block": rows_per_block,
              "rechunked_from": str(info.path)}

@@ -19,6 +19,10 @@ batches of `PARQUET_BATCH_ROWS`.
 With a tokenizer that has an EOS, it follows each document; a Python definition cut into
 paragraph groups gets one, after its last group. Without a tokenizer, text files keep
 exactly the byte spans of `split_document_spans`.
+
+Every row also carries the number of the document it was cut from (`gather_rows`): documents
+counted in input order, so that both prepare engines give the same numbers and a held-out split
+can take whole documents (`heldout.py`).
 """
 
 from __future__ import annotations
@@ -102,22 +106,29 @@ def _natural_bounds(data: bytes, *, python: bool) -> list[int]:
     return sorted(set(cuts) | {len(data)})
 
 
+def document_spans(data: bytes, *, python: bool, max_seq_len: int) -> list[list[tuple[int, int]]]:
+    """A file's natural documents, each as the `(start, end)` spans of its rows: every span
+    non-empty and at most `max_seq_len` long, together covering the file in order. A Python
+    definition longer than a row is cut at blank lines into paragraph groups of up to half a row
+    first; what is still longer is cut into chunks."""
+    bounds = _natural_bounds(data, python=python)
+    documents = []
+    for doc_start, doc_end in zip(bounds[:-1], bounds[1:], strict=True):
+        cuts = [doc_start]
+        if python and doc_end - doc_start > max_seq_len:
+            cuts = _grouped_paragraph_cuts(data, doc_start, doc_end, max(max_seq_len // 2, 1))
+        cuts.append(doc_end)
+        documents.append([(start, min(start + max_seq_len, end))
+                          for first, end in zip(cuts[:-1], cuts[1:], strict=True)
+                          for start in range(first, end, max_seq_len)])
+    return documents
+
+
 def split_document_spans(data: bytes, *, python: bool, max_seq_len: int) -> list[tuple[int, int]]:
     """Cut a file's bytes into `(start, end)` spans that cover it in order, none empty,
     each at most `max_seq_len` long: natural documents, long ones cut into chunks."""
-    bounds = _natural_bounds(data, python=python)
-    cuts: list[int] = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if python and end - start > max_seq_len:
-            cuts.extend(_grouped_paragraph_cuts(data, start, end, max(max_seq_len // 2, 1)))
-        else:
-            cuts.append(start)
-    bounds = sorted(set(cuts) | {len(data)})
-    spans = []
-    for doc_start, doc_end in zip(bounds[:-1], bounds[1:], strict=True):
-        for start in range(doc_start, doc_end, max_seq_len):
-            spans.append((start, min(start + max_seq_len, doc_end)))
-    return spans
+    return [span for document in document_spans(data, python=python, max_seq_len=max_seq_len)
+            for span in document]
 
 
 def chunk_rows(ids: np.ndarray, max_seq_len: int) -> list[np.ndarray]:
@@ -125,16 +136,15 @@ def chunk_rows(ids: np.ndarray, max_seq_len: int) -> list[np.ndarray]:
     return [ids[start:start + max_seq_len] for start in range(0, len(ids), max_seq_len)]
 
 
-def tokenized_file_rows(
+def tokenized_file_documents(
     data: bytes, *, python: bool, encode: Callable[[bytes], np.ndarray],
     eos_id: int | None, max_seq_len: int,
-) -> Iterator[np.ndarray]:
-    """The rows of a text file for a tokenizer, in order: each natural document is tokenized
-    with `encode` and `eos_id` appended; a Python one longer than a row is cut again at blank
-    lines into paragraph groups of about half a row (bytes per token measured on it), only
-    its last group getting the EOS; what is still longer is cut into chunks.
-
-    With byte tokens and no EOS these are exactly the spans of `split_document_spans`."""
+) -> Iterator[list[np.ndarray]]:
+    """The rows of a text file for a tokenizer, one list per natural document, in order: each
+    document is tokenized with `encode` and `eos_id` appended; a Python one longer than a row
+    is cut again at blank lines into paragraph groups of about half a row (bytes per token
+    measured on it), only its last group getting the EOS; what is still longer is cut into
+    chunks. A document that encodes to nothing gives no list."""
     eos = np.array([] if eos_id is None else [eos_id], dtype=np.int64)
     bounds = _natural_bounds(data, python=python)
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
@@ -142,15 +152,29 @@ def tokenized_file_rows(
         if len(ids) == 0:
             continue
         if not python or len(ids) + len(eos) <= max_seq_len:
-            yield from chunk_rows(np.concatenate([ids, eos]).astype(ids.dtype), max_seq_len)
+            yield chunk_rows(np.concatenate([ids, eos]).astype(ids.dtype), max_seq_len)
             continue
         limit = max((max_seq_len // 2) * (end - start) // len(ids), 1)
         groups = _grouped_paragraph_cuts(data, start, end, limit) + [end]
+        rows = []
         for group_start, group_end in zip(groups[:-1], groups[1:], strict=True):
             piece = encode(data[group_start:group_end])
             if group_end == end:
                 piece = np.concatenate([piece, eos]).astype(piece.dtype)
-            yield from chunk_rows(piece, max_seq_len)
+            rows.extend(chunk_rows(piece, max_seq_len))
+        yield rows
+
+
+def tokenized_file_rows(
+    data: bytes, *, python: bool, encode: Callable[[bytes], np.ndarray],
+    eos_id: int | None, max_seq_len: int,
+) -> Iterator[np.ndarray]:
+    """The rows of `tokenized_file_documents`, one after another.
+
+    With byte tokens and no EOS these are exactly the spans of `split_document_spans`."""
+    for rows in tokenized_file_documents(data, python=python, encode=encode, eos_id=eos_id,
+                                         max_seq_len=max_seq_len):
+        yield from rows
 
 
 def _looks_binary(path: Path) -> str | None:
@@ -255,7 +279,7 @@ def iter_parquet_texts(path: Path, text_field: str) -> Iterator[str]:
 
 class _RowBuffer:
     """Rows as they are made: token values gathered into a few large arrays, and per row
-    (source index, offset in the source's token stream, start, end in the values)."""
+    (source index, offset in the source's token stream, start, end in the values, document)."""
 
     def __init__(self) -> None:
         self._chunks: list[np.ndarray] = []
@@ -264,11 +288,12 @@ class _RowBuffer:
         self._size = 0
         self._source, self._offset = -1, 0
 
-    def add(self, source: int, ids: np.ndarray) -> None:
-        """One row of `source`'s, right after the previous one of that source."""
+    def add(self, source: int, ids: np.ndarray, doc: int = 0) -> None:
+        """One row of `source`'s, right after the previous one of that source, cut from
+        document `doc`."""
         if source != self._source:
             self._source, self._offset = source, 0
-        self._meta.extend((source, self._offset, self._size, self._size + len(ids)))
+        self._meta.extend((source, self._offset, self._size, self._size + len(ids), doc))
         self._pending.append(ids)
         self._size += len(ids)
         self._offset += len(ids)
@@ -276,36 +301,49 @@ class _RowBuffer:
             self._chunks.append(np.concatenate(self._pending))
             self._pending = []
 
+    def add_documents(self, source: int, documents: Iterable[list[np.ndarray]], first_doc: int
+                      ) -> int:
+        """The rows of `source`'s documents, numbered from `first_doc` on (a document without
+        rows takes no number); returns the next number."""
+        doc = first_doc
+        for rows in documents:
+            for ids in rows:
+                self.add(source, ids, doc)
+            doc += bool(rows)
+        return doc
+
     def finish(self) -> tuple[np.ndarray, np.ndarray]:
-        """All token values in one array, and the (rows, 4) array of row metadata."""
+        """All token values in one array, and the (rows, 5) array of row metadata."""
         parts = self._chunks + self._pending
         values = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
-        return values, np.array(self._meta, dtype=np.int64).reshape(-1, 4)
+        return values, np.array(self._meta, dtype=np.int64).reshape(-1, 5)
 
 
-def _text_file_rows(file: Path, tokenizer: Tokenizer, max_seq_len: int) -> Iterator[np.ndarray]:
-    """The rows of a text file: its bytes, or its documents' tokens with the EOS after each."""
+def _text_file_documents(file: Path, tokenizer: Tokenizer, max_seq_len: int
+                         ) -> Iterator[list[np.ndarray]]:
+    """The rows of a text file, one list per document: its bytes, or its documents' tokens
+    with the EOS after each."""
     data = file.read_bytes()
     if not data.strip():  # only whitespace: nothing to learn from, like an empty file
         return
     python = file.suffix.lower() == ".py"
     if tokenizer.kind == "bytes":
         buffer = np.frombuffer(data, dtype=np.uint8)
-        for start, end in split_document_spans(data, python=python, max_seq_len=max_seq_len):
-            yield buffer[start:end]
+        for spans in document_spans(data, python=python, max_seq_len=max_seq_len):
+            yield [buffer[start:end] for start, end in spans]
         return
 
     def encode(text: bytes) -> np.ndarray:
         return np.asarray(tokenizer.encode(text.decode("utf-8", errors="replace")), np.int32)
 
-    yield from tokenized_file_rows(data, python=python, encode=encode,
-                                   eos_id=tokenizer.eos_id, max_seq_len=max_seq_len)
+    yield from tokenized_file_documents(data, python=python, encode=encode,
+                                        eos_id=tokenizer.eos_id, max_seq_len=max_seq_len)
 
 
-def _record_rows(texts: Iterable[str], tokenizer: Tokenizer, max_seq_len: int
-                 ) -> Iterator[np.ndarray]:
-    """The rows of JSONL/Parquet records: each one's tokens (UTF-8 bytes without a tokenizer),
-    the EOS appended, cut into chunks of `max_seq_len`."""
+def _record_documents(texts: Iterable[str], tokenizer: Tokenizer, max_seq_len: int
+                      ) -> Iterator[list[np.ndarray]]:
+    """The rows of JSONL/Parquet records, one list per record: its tokens (UTF-8 bytes without
+    a tokenizer), the EOS appended, cut into chunks of `max_seq_len`."""
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     records = iter(texts)
     while batch := list(itertools.islice(records, ENCODE_BATCH_RECORDS)):
@@ -315,24 +353,27 @@ def _record_rows(texts: Iterable[str], tokenizer: Tokenizer, max_seq_len: int
             encoded = [np.asarray(ids + eos, dtype=np.int32)
                        for ids in tokenizer.encode_batch(batch) if ids]
         for ids in encoded:
-            yield from chunk_rows(ids, max_seq_len)
+            yield chunk_rows(ids, max_seq_len)
 
 
 def gather_rows(files: Sequence[Path], tokenizer: Tokenizer, max_seq_len: int,
                 text_field: str) -> tuple[np.ndarray, np.ndarray]:
-    """All rows of all files: the token values, and an (n, 4) array of rows
-    `(file index, offset in the file's token stream, start in values, end in values)`."""
+    """All rows of all files: the token values, and an (n, 5) array of rows `(file index,
+    offset in the file's token stream, start in values, end in values, document)`. Documents
+    are numbered in input order: files in the order given, documents in file order (a text
+    file's Python definitions or paragraphs, a JSONL or Parquet file's records), counting only
+    those that gave rows."""
     rows = _RowBuffer()
+    doc = 0
     for index, file in enumerate(files):
         suffix = file.suffix.lower()
         if suffix == ".jsonl":
-            made = _record_rows(iter_jsonl_texts(file, text_field), tokenizer, max_seq_len)
+            made = _record_documents(iter_jsonl_texts(file, text_field), tokenizer, max_seq_len)
         elif suffix == ".parquet":
-            made = _record_rows(iter_parquet_texts(file, text_field), tokenizer, max_seq_len)
+            made = _record_documents(iter_parquet_texts(file, text_field), tokenizer, max_seq_len)
         else:
-            made = _text_file_rows(file, tokenizer, max_seq_len)
-        for ids in made:
-            rows.add(index, ids)
+            made = _text_file_documents(file, tokenizer, max_seq_len)
+        doc = rows.add_documents(index, made, doc)
     return rows.finish()
 
 

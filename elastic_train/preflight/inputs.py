@@ -4,6 +4,8 @@ checkpoint to resume. Each failure is one ConfigError naming the key at fault.""
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,8 @@ from elastic_train.preflight.vocab import check_model_tokenizer
 from elastic_train.training.checkpoint import model_signature
 from elastic_train.training.model import BYTE_VOCAB, ModelFn, build_meta_model, input_embedding_rows
 
+logger = logging.getLogger("elastic_train")
+
 
 def resolve_dataset(cfg: Config, key: str = "data.path") -> DatasetInfo:
     """The dataset to train on (or, with key="eval.path", to evaluate on), checked before any
@@ -33,16 +37,23 @@ def resolve_dataset(cfg: Config, key: str = "data.path") -> DatasetInfo:
         path = cfg.eval.path
     else:
         path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
+    return _checked_dataset(cfg, path, key)
+
+
+def _checked_dataset(cfg: Config, path: str, key: str) -> DatasetInfo:
+    """`inspect_dataset(path)`, its ids checked, its rows no longer than data.max_seq_len (when
+    set); ConfigError naming `key` otherwise."""
     try:
         info = inspect_dataset(path)
         check_sample_ids(info)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{key}: {exc}") from None
-    if info.max_length > cfg.data.max_seq_len:
+    limit = cfg.data.max_seq_len
+    if limit is not None and info.max_length > limit:
         raise ConfigError(
             f"{key}: dataset {path} has rows of {info.max_length} tokens, longer than "
-            f"data.max_seq_len={cfg.data.max_seq_len}; prepare it again with --max-seq-len "
-            f"{cfg.data.max_seq_len} or raise data.max_seq_len"
+            f"data.max_seq_len={limit}; prepare it again with --max-seq-len {limit} or raise "
+            "data.max_seq_len (or leave it unset: the data set's own)"
         )
     return info
 
@@ -53,15 +64,18 @@ class DataTables:
 
     train: BlockTable
     eval: BlockTable | None
-    eval_info: DatasetInfo | None  # eval.path's data set (None with eval.fraction)
+    # the data set evaluated on when it is one of its own: eval.path's, or the held-out documents
+    # data.path's prepare wrote (None: no evaluation, or row groups held out of data.path)
+    eval_info: DatasetInfo | None
 
 
-def data_tables(cfg: Config, info: DatasetInfo) -> DataTables:
-    """data.path's blocks, less the share eval.fraction holds out; or eval.path's blocks."""
+def data_tables(cfg: Config, info: DatasetInfo, *, warn: bool = False) -> DataTables:
+    """data.path's blocks, and those evaluated on: with eval.fraction, the held-out documents
+    prepare recorded (`_held_out`); with eval.path, its blocks. `warn`: log the warnings of
+    the choice (the driver's first call does, so each is said once)."""
     table = dataset_blocks(info)
     if cfg.eval.fraction > 0:
-        train, held = hold_out(table, cfg.eval.fraction)
-        return DataTables(train, held, None)
+        return _held_out(cfg, info, table, warn)
     if cfg.eval.path:
         eval_info = resolve_dataset(cfg, "eval.path")
         missing = set(extra_columns(info)) - set(extra_columns(eval_info))
@@ -77,20 +91,75 @@ def data_tables(cfg: Config, info: DatasetInfo) -> DataTables:
     return DataTables(table, None, None)
 
 
-def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
-    """Every check that needs no cluster: the dataset, the model (built once on the meta device:
-    shapes only), their fit, storage, the checkpoint to resume. Fills in what the config leaves
-    to the data set (`model.vocab_size`, `data.pad_id`), so the resolved config says it."""
-    validate(cfg)  # again: a Config built in Python has not been through load_config
-    resolve_config(cfg, model_fn)
-    check_gpu(cfg)
-    info = resolve_dataset(cfg)
+def _held_out(cfg: Config, info: DatasetInfo, table: BlockTable, warn: bool) -> DataTables:
+    """eval.fraction's evaluation set. Prepare cuts documents into rows and spreads the rows
+    over every row group, so held-out row groups would evaluate on pieces of documents that
+    are trained on (an optimistic loss): the whole documents `prepare --eval-fraction` held
+    out are used; a data set with a `doc` column (so made by prepare) without them is refused;
+    one without `doc` (made by another tool) keeps the row-group rule, with a warning."""
+    split = info.eval_split
+    if split is not None:
+        if warn and not math.isclose(split["fraction"], cfg.eval.fraction):
+            logger.warning(
+                "eval.fraction is %g but data set %s was prepared with --eval-fraction %g: "
+                "evaluating on the %s documents it held out", cfg.eval.fraction, info.path,
+                split["fraction"], split.get("documents", "?"))
+        eval_info = _checked_dataset(cfg, split["path"], "eval.fraction")
+        return DataTables(table, dataset_blocks(eval_info), eval_info)
+    if "doc" in info.columns:
+        raise ConfigError(
+            f"eval.fraction: data set {info.path} has no held-out documents (its rows are pieces "
+            "of documents spread over every row group: held-out row groups would share documents "
+            f"with training); prepare it with --eval-fraction {cfg.eval.fraction:g}, or set "
+            "eval.path to a data set of its own and eval.fraction=0")
+    if warn:
+        logger.warning(
+            "eval.fraction: data set %s has no doc column, so %g of its row groups are held out "
+            "and a document may straddle the split (the eval loss then reads low); for whole "
+            "documents prepare it with --eval-fraction, or set eval.path", info.path,
+            cfg.eval.fraction)
+    train, held = hold_out(table, cfg.eval.fraction)
+    return DataTables(train, held, None)
+
+
+def fill_max_seq_len(cfg: Config, info: DatasetInfo) -> None:
+    """data.max_seq_len, when unset: the data set's, as prepared (else its longest row)."""
+    d = cfg.data
+    if d.max_seq_len is not None:
+        return
+    d.max_seq_len = max(info.max_seq_len or 0, info.max_length)
+    if d.micro_batch_tokens < d.max_seq_len:
+        raise ConfigError(
+            f"data.micro_batch_tokens ({d.micro_batch_tokens}) is smaller than the rows of "
+            f"data set {info.path} (up to {d.max_seq_len} tokens: data.max_seq_len is unset, "
+            "so the data set's): raise data.micro_batch_tokens, or prepare it with a smaller "
+            "--max-seq-len")
+
+
+def fill_from_dataset(cfg: Config, info: DatasetInfo, eval_info: DatasetInfo | None = None) -> None:
+    """Fill in what the config leaves to the data set, so the resolved config says it:
+    data.max_seq_len, data.pad_id, model.vocab_size (the tokenizer's size, or more when the
+    largest token id of the training or evaluation set says so)."""
+    fill_max_seq_len(cfg, info)
     if cfg.data.pad_id is None:
         cfg.data.pad_id = info.pad_id if info.pad_id is not None else 0
     if cfg.model.vocab_size is None and cfg.model.name != "hf":
         # a tokenizer may report fewer tokens than its largest id: the larger of the two
-        cfg.model.vocab_size = max(info.vocab_size or 0, (info.max_token_id or -1) + 1) or BYTE_VOCAB
-    tables = data_tables(cfg, info)
+        largest = max((i.max_token_id or -1) for i in (info, eval_info) if i is not None)
+        cfg.model.vocab_size = max(info.vocab_size or 0, largest + 1) or BYTE_VOCAB
+
+
+def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
+    """Every check that needs no cluster: the dataset, the model (built once on the meta device:
+    shapes only), their fit, storage, the checkpoint to resume. Fills in what the config leaves
+    to the data set (`fill_from_dataset`), so the resolved config says it."""
+    validate(cfg)  # again: a Config built in Python has not been through load_config
+    resolve_config(cfg, model_fn)
+    check_gpu(cfg)
+    info = resolve_dataset(cfg)
+    fill_max_seq_len(cfg, info)  # first: the evaluation set's rows are checked against it
+    tables = data_tables(cfg, info, warn=True)
+    fill_from_dataset(cfg, info, tables.eval_info)
     try:
         check_blocks(tables.train, num_partitions(cfg), info.path)
     except ValueError as exc:
