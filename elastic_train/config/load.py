@@ -37,6 +37,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError:
                 pass
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
@@ -67,6 +72,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
+    if typing.get_origin(tp) is list:
+        return "a list"
     if typing.get_origin(tp) is dict:
         return "a mapping"
     return getattr(tp, "__name__", str(tp))

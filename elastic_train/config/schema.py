@@ -89,6 +89,10 @@ class ModelConfig:
     vocab_size: int | None = None  # None: the data set's tokenizer size (256 for bytes)
     gradient_checkpointing: bool = False  # recompute activations in backward (non-reentrant)
     trust_remote_code: bool = False  # hf: run the model's own code from `path`
+    # train.sharding=fsdp: class names of the modules sharded as blocks (each gathered whole for its
+    # forward); empty: the GPT's blocks, a transformers model's _no_split_modules, else the
+    # children of the model's largest nn.ModuleList
+    shard_modules: list[str] = field(default_factory=list)
     # hf: a tokenizer in `path` must have the vocabulary of the data set's (same token -> id), or
     # the ids the model learnt would mean other tokens; false: train anyway (you mean it)
     tokenizer_check: bool = True
@@ -133,6 +137,13 @@ class TrainConfig:
     # (DDP's static_graph is not offered: torch 2.13 fails an internal assert when the first step
     # accumulates under no_sync, which any step with more micro-batches than ranks does)
     gradient_as_bucket_view: bool = False
+    # none: every rank holds the whole model, its gradients and optimizer state | fsdp: FSDP2
+    # (fully_shard on each block and on the root): each rank holds 1/W of them; exact stays
+    # bitwise at any world size (float64 master shards, float64 reduce-scatter: sharding.py)
+    sharding: str = "none"
+    # fsdp: free a block's gathered weights after its forward and gather them again in backward
+    # (less memory, one more all-gather per block); false keeps them until backward
+    reshard_after_forward: bool = True
 
 
 @dataclass

@@ -78,6 +78,7 @@ def validate(cfg: Config) -> None:
         f"train.precision must be fp32, bf16 or fp16, got {t.precision!r}",
     )
     _validate_reduce(t)
+    _validate_sharding(cfg)
     _require(
         t.precision != "fp16" or s.use_gpu,
         "train.precision=fp16 needs scaling.use_gpu=true (fp16 autocast and GradScaler are "
@@ -127,6 +128,40 @@ def _validate_reduce(t: TrainConfig) -> None:
 
 
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+SHARDINGS = ("none", "fsdp")
+
+
+def _validate_sharding(cfg: Config) -> None:
+    """train.sharding, and what `fsdp` does not do, refused by name with the reason."""
+    t = cfg.train
+    _require(t.sharding in SHARDINGS,
+             f"train.sharding must be none or fsdp, got {t.sharding!r}")
+    for i, name in enumerate(cfg.model.shard_modules):
+        _require(bool(name.strip()), f"model.shard_modules[{i}]: an empty class name")
+    if t.sharding != "fsdp":
+        return
+    _require(t.grad_compression == "none",
+             f"train.grad_compression={t.grad_compression} with train.sharding=fsdp: communication "
+             "hooks belong to DDP, and FSDP reduce-scatters each block's gradients itself; set "
+             "train.grad_compression=none (fsdp's ddp reduction reduce-scatters in fp32)")
+    _require(cfg.optim.name != "adamw8bit",
+             "optim.name=adamw8bit with train.sharding=fsdp: bitsandbytes quantises its state in "
+             "blocks laid over each rank's local shard, so the state (and every step after the "
+             "first) would depend on the world size, and a checkpoint could not be resharded; "
+             "use optim.name=adamw")
+    _require(cfg.fault.recovery != "in_place",
+             "fault.recovery=in_place with train.sharding=fsdp: a replacement heals by copying the "
+             "whole model and optimizer state from one live peer, and with fsdp no peer holds "
+             "more than its own 1/W (replicated groups of sharded ranks, HSDP, are not built); "
+             "use fault.recovery=restart, which reshards from the last checkpoint at any size")
+    _require(t.precision != "fp16",
+             "train.precision=fp16 with train.sharding=fsdp: the grad scaler would unscale sharded "
+             "gradients rank by rank and skip steps on one rank's overflow alone; use bf16")
+    _require(not t.compile, "train.compile with train.sharding=fsdp is not supported yet: "
+                            "set train.compile=false")
+    _require(not cfg.checkpoint.keep_best,
+             "checkpoint.keep_best with train.sharding=fsdp is not supported yet: a best checkpoint "
+             "is written by rank 0 alone, and with fsdp every rank holds a part of the model")
 
 
 @dataclass(frozen=True)

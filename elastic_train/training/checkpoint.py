@@ -11,6 +11,8 @@ every shard's manifest is there with every file it names at its size; an incompl
 loaded. Ray Train registers a checkpoint only after every rank's files are uploaded and every rank
 has reported, so a crash mid-write leaves the previous checkpoint as the latest. A checkpoint loads
 at any world size (the shards are merged). Format 1 (one `model.pt`, `optimizer.pt`) still loads.
+A `train.sharding=fsdp` run writes the same files, each holding its rank's rows of every tensor
+(sharding.py writes them, shardfiles.py reads them): it loads here, whole, as well.
 
 The training loop blocks only for `snapshot` (an in-memory copy of this rank's share on the CPU);
 `write_checkpoint` runs in Ray's background upload thread.
@@ -30,6 +32,8 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 import torch
+
+from elastic_train.training.shardfiles import read_sharded, sharding_of
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2  # 2: model and optimizer state in shards, one per rank; 1 (one file) still read
@@ -220,6 +224,8 @@ def read_shards(directory: str | Path, name: str) -> dict[str, Any]:
     """The whole state dict of `name` ("model" or "optimizer"), merged from every shard of a
     complete checkpoint, on the CPU."""
     directory = Path(directory)
+    if sharding_of(json.loads((directory / "state.json").read_text())) == "fsdp":
+        return read_sharded(directory, name)  # rows of each tensor in each shard (shardfiles.py)
     load = dict(map_location="cpu", weights_only=True)
     shards = json.loads((directory / MANIFEST).read_text()).get("shards")
     if shards is None:  # format 1: one file
@@ -267,8 +273,13 @@ def load_checkpoint(
     directory = Path(directory)
     state = read_state(directory)
     check_compatible(directory, state, model)
-    model.load_state_dict(read_shards(directory, "model"))
-    optimizer.load_state_dict(read_shards(directory, "optimizer"))
+    model.load_state_dict(read_shards(directory, "model"))  # copy_ casts fsdp's float64 master
+    optim = read_shards(directory, "optimizer")
+    if sharding_of(state) == "fsdp":  # keyed by parameter name: the optimizer's own indices
+        names = _parameter_names(model, optimizer)
+        optim = {"state": {i: optim["state"][n] for i, n in names.items() if n in optim["state"]},
+                 "param_groups": optim["param_groups"]}
+    optimizer.load_state_dict(optim)
     extra = torch.load(directory / "extra.pt", map_location="cpu", weights_only=True)
     if scaler is not None and extra["scaler"] is not None:
         scaler.load_state_dict(extra["scaler"])

@@ -11,7 +11,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from elastic_train.training.optim import (
     set_lr,
 )
 from elastic_train.training.reduce import ExactGradSum, rescale_grads
+
+if TYPE_CHECKING:
+    from elastic_train.training.sharding import ShardedReduce
 
 
 @dataclass
@@ -104,6 +107,7 @@ class StepSetup:
     count_targets: bool = False  # the loss counts its own targets (a user's loss_fn)
     pad_id: int = 0
     extra_columns: tuple[str, ...] = ()  # the data set's columns beyond id/tokens/length
+    sharded: ShardedReduce | None = None  # train.sharding=fsdp (sharding.py)
 
 
 def forward_backward(
@@ -122,17 +126,18 @@ def forward_backward(
     one process computes on the whole batch. With `setup.exact`, each micro-batch's loss sum is
     scaled by 1 / global_targets and the gradients summed by `ExactGradSum`. Without it (DDP), by
     world_size / global_targets, since DDP averages over ranks, and DDP syncs only on the last
-    backward.
+    backward. Sharded (`setup.sharded`), FSDP2 sums: 1 / global_targets, as exact.
     """
-    exact, scaler = setup.exact, setup.scaler
-    scale = (1.0 if exact is not None else setup.world_size) / max(global_targets, 1.0)
+    exact, sharded = setup.exact, setup.sharded
+    summed = exact is not None or sharded is not None
+    scale = (1.0 if summed else setup.world_size) / max(global_targets, 1.0)
+    if sharded is not None:
+        return sharded_forward_backward(model, micro_batches, setup=setup, scale=scale, step=step,
+                                        dry_template=dry_template)
     if not micro_batches and exact is None:
         # This rank's partitions ran dry in the epoch's last steps: join DDP's all-reduce with a
         # zero gradient, through the user's model and loss (DDP's reducer is prepared as usual).
-        with autocast_context(setup.precision, setup.device):
-            dry = dry_rank_batch(dry_template, setup.pad_id, setup.extra_columns)
-            loss_sum, _ = model(dry.to_batch(setup.device))
-        (scaler.scale(loss_sum * 0.0) if scaler is not None else loss_sum * 0.0).backward()
+        dry_backward(model, setup, dry_template)
         return torch.zeros((), dtype=torch.float64, device=setup.device), 0.0
     total, targets = accumulate(model, micro_batches, setup=setup, scale=scale, step=step)
     if exact is not None:
@@ -140,11 +145,38 @@ def forward_backward(
     return total, targets
 
 
+def dry_backward(model: torch.nn.Module, setup: StepSetup, template: MicroBatch | None) -> None:
+    """A backward of zero gradient through the user's model and loss (`dry_rank_batch`): a rank
+    with no micro-batch (left) still joins the step's collectives."""
+    with autocast_context(setup.precision, setup.device):
+        dry = dry_rank_batch(template, setup.pad_id, setup.extra_columns)
+        loss_sum, _ = model(dry.to_batch(setup.device))
+    scaler = setup.scaler
+    (scaler.scale(loss_sum * 0.0) if scaler is not None else loss_sum * 0.0).backward()
+
+
+def sharded_forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch], *,
+                             setup: StepSetup, scale: float, step: int,
+                             dry_template: MicroBatch | None) -> tuple[torch.Tensor, float]:
+    """train.sharding=fsdp: this rank's micro-batches, then dry ones up to `rounds` (a
+    reduce-scatter is a collective every rank joins), then the gradient finished (sharding.py)."""
+    sharded = setup.sharded
+    rounds = sharded.rounds(len(micro_batches))
+    total, targets = accumulate(model, micro_batches, setup=setup, scale=scale, step=step,
+                                rounds=rounds)
+    for i in range(len(micro_batches), rounds):
+        sharded.set_sync(i == rounds - 1)
+        dry_backward(model, setup, dry_template)
+    sharded.finish()
+    return total, targets
+
+
 def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], *, setup: StepSetup,
-               scale: float, step: int) -> tuple[torch.Tensor, float]:
+               scale: float, step: int, rounds: int | None = None) -> tuple[torch.Tensor, float]:
     """Forward and backward each micro-batch (its loss sum times `scale`), its random ops seeded by
     (seed, step, partition); with `setup.exact` each gradient goes into the float64 sum at once,
-    in DDP only the last backward syncs. Returns (loss sum in float64, targets)."""
+    in DDP only the last backward syncs; sharded, as `setup.sharded` says for backward i of
+    `rounds`. Returns (loss sum in float64, targets)."""
     ddp = isinstance(model, DistributedDataParallel)
     exact, scaler, device = setup.exact, setup.scaler, setup.device
     backward = (lambda x: scaler.scale(x).backward()) if scaler is not None else torch.Tensor.backward
@@ -154,6 +186,8 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], *, setup
         last = i == len(micro_batches) - 1
         if setup.seed is not None:
             torch.manual_seed(micro_batch_seed(setup.seed, step, mb.partition))
+        if setup.sharded is not None:
+            setup.sharded.set_sync(i == (rounds or len(micro_batches)) - 1)
         with nullcontext() if (last or not ddp) else model.no_sync():
             with autocast_context(setup.precision, device):
                 loss_sum, n_targets = model(mb.to_batch(device))
@@ -172,13 +206,18 @@ def optimizer_step(
     grad_clip: float,
     local_loss: torch.Tensor,
     device: torch.device,
+    sharded: ShardedReduce | None = None,
 ) -> tuple[float, float, bool]:
-    """Clip and step unless any rank saw a non-finite gradient: (loss sum, grad norm, skipped)."""
+    """Clip and step unless any rank saw a non-finite gradient: (loss sum, grad norm, skipped).
+    Sharded, the norm is the global one, summed in an order that does not depend on W."""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), grad_clip if grad_clip > 0 else float("inf")
-    )
+    if sharded is not None:
+        norm = sharded.clip_(grad_clip)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), grad_clip if grad_clip > 0 else float("inf")
+        )
     nonfinite = 0.0 if math.isfinite(float(norm)) else 1.0
     loss_sum, any_nonfinite = all_reduce_sum([float(local_loss), nonfinite], device)
     if any_nonfinite:
@@ -241,6 +280,7 @@ def train_step(
         poison(raw_model)
     t1 = time.perf_counter()
     loss_sum, grad_norm, skipped = optimizer_step(
-        raw_model, optimizer, setup.scaler, setup.grad_clip, local_loss, setup.device)
+        raw_model, optimizer, setup.scaler, setup.grad_clip, local_loss, setup.device,
+        setup.sharded)
     return StepResult(loss_sum / max(targets, 1.0), grad_norm, skipped, t1 - t0,
                       time.perf_counter() - t1)

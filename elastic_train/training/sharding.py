@@ -1,0 +1,301 @@
+"""`train.sharding=fsdp`: FSDP2 on each block and the root, and the guarantees kept with it.
+
+`shard_model` applies `torch.distributed.fsdp.fully_shard` to each block (`find_blocks`) and then
+to the root, the `LossModule` (so that a loss which calls parts of the model, a Hugging Face
+`base_model` and its head apart, still finds every weight gathered). Each rank then holds rows
+[start, end) of dim 0 of every parameter (`shardfiles.row_range`), their gradients and their
+optimizer state: 1/W of each. On CPU the mesh is explicit (without one FSDP2 picks CUDA where a GPU
+exists); a one-process run makes itself a one-rank gloo group, since FSDP2 needs one.
+
+Exact (`train.grad_reduce=exact`), why it stays the same to the bit at any world size:
+- the parameters are float64 master shards, and `MixedPrecisionPolicy(param_dtype=float32,
+  reduce_dtype=float64)` gathers them as float32 for forward and backward: a float32 copy of a
+  float64 that came from float32 is exact, so step one computes what the unsharded model does.
+- every micro-batch's float32 gradient is reduce-scattered in float64, summed (no division by W),
+  into float64 gradient shards that accumulate in float64: `ExactGradSum`'s argument (a float64 sum
+  of float32 numbers is exact, or off by 2**-53 relative) with the buffer sharded. With fp32
+  parameters the trap is that FSDP2 casts each reduced micro-batch back to fp32, and the
+  accumulation then rounds differently with W; float64 parameters keep the sharded gradient in
+  float64. Each reduce-scatter is a collective, so every rank runs as many backwards as the rank
+  with the most micro-batches (`rounds`), the others adding dry micro-batches (loss times 0).
+- the summed gradient is rounded to float32 values (`finish`), as `ExactGradSum` rounds its sum:
+  what order-dependent float64 round-off is left disappears in that rounding, as there.
+- the global gradient norm for clipping is summed in an order that does not depend on W: each
+  rank computes a float64 sum of squares per row of dim 0 (a row lies whole on one rank, at any
+  W), puts it in that row's slot of a vector of every parameter's rows, the vector is all-reduced
+  (one value per slot: exact) and summed the same way on every rank (`grad_norm`).
+- AdamW is elementwise: a shard updates the same whichever rank holds it.
+Memory with AdamW: float64 master, gradient and two moments, 32 bytes a parameter over W ranks.
+
+`ddp` (GPU speed): float32 parameters, gradients reduce-scattered in fp32 (bf16 parameters for
+compute with `train.precision=bf16`), synced on a step's last micro-batch only
+(`set_requires_gradient_sync`): 16 bytes a parameter over W, plus the unsharded gradient of the
+micro-batches before the last.
+
+Checkpoints: each rank copies its own rows (`sharded_snapshot`) and writes them in parallel, in
+the usual files and manifests (checkpoint.py); `load_sharded_checkpoint` takes this rank's rows
+from a checkpoint of any world size and either sharding (shardfiles.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from elastic_train.training.checkpoint import (
+    FORMAT_VERSION,
+    _parameter_names,
+    _to_cpu,
+    check_compatible,
+    model_signature,
+    read_shards,
+    read_state,
+    rng_state,
+    set_rng_state,
+)
+from elastic_train.training.collectives import is_distributed, timed_all_reduce
+from elastic_train.training.reduce import ExactGradSum
+from elastic_train.training.shardfiles import ShardedFiles, row_range, sharding_of
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """FSDP2 needs a process group: a one-process run (no launcher) gets a one-rank one."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1)
+
+
+def find_blocks(model: nn.Module, names: list[str]) -> list[nn.Module]:
+    """The modules sharded as blocks (each gathered whole for its forward): those of the classes
+    `names` (model.shard_modules), else of a transformers model's `_no_split_modules` (its decoder
+    layers), else the children of the model's largest nn.ModuleList (the GPT's blocks); none
+    (only the root is sharded) when the model has no ModuleList."""
+    wanted = list(names) or list(getattr(model, "_no_split_modules", None) or [])
+    found = [m for m in model.modules() if m is not model and type(m).__name__ in wanted]
+    if names and not found:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"model.shard_modules: no module of class {', '.join(names)} in "
+                         f"{type(model).__name__} (its classes: {', '.join(classes)})")
+    if found:
+        return found
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def _to_float64(module: nn.Module) -> None:
+    """The module's float parameters not yet sharded become float64 (the exact path's master)."""
+    for p in module.parameters():
+        if not isinstance(p, DTensor) and p.is_floating_point():
+            p.data = p.data.to(torch.float64)
+
+
+def shard_model(root: nn.Module, model: nn.Module, *, exact: bool, precision: str,
+                reshard_after_forward: bool, shard_modules: list[str],
+                device: torch.device) -> ShardedReduce:
+    """fully_shard each block of `model`, then `root` (the LossModule around it), on a mesh of
+    every rank; the parameters move to `device` one block at a time. Every rank starts from
+    rank 0's weights, as DDP's constructor makes them."""
+    ensure_process_group(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if exact:
+        policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None,
+                                      reduce_dtype=torch.float32)
+    ExactGradSum.broadcast_parameters(model)
+    for block in reversed(find_blocks(model, shard_modules)):  # inner blocks before outer ones
+        if exact:
+            _to_float64(block)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if exact:
+        _to_float64(root)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # a sum: the loss is scaled by 1/global targets
+    return ShardedReduce(root, model, exact, device)
+
+
+class ShardedReduce:
+    """What a step does differently with sharding: how many backwards, when they sync, the
+    rounding of the summed gradient and the W-independent gradient norm (module docstring)."""
+
+    def __init__(self, root: nn.Module, model: nn.Module, exact: bool, device: torch.device) -> None:
+        self.root, self.exact, self.device = root, exact, device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.offsets, total = [], 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.shape[0] if p.dim() else 1
+        self.total_rows = total
+
+    def rounds(self, local: int, everywhere: bool = False) -> int:
+        """How many backwards (or, `everywhere`, forwards) this rank runs for its `local`
+        micro-batches: exact reduce-scatters every one, so all ranks run the most any rank has;
+        ddp syncs once, on the last (a dry rank still runs one)."""
+        if not (self.exact or everywhere):
+            return max(local, 1)
+        count = torch.tensor([local], dtype=torch.int64, device=self.device)
+        if is_distributed():
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count)
+
+    def set_sync(self, last: bool) -> None:
+        """Reduce-scatter after this backward: always in exact mode, on the last in ddp mode."""
+        self.root.set_requires_gradient_sync(self.exact or last)
+
+    def finish(self) -> None:
+        """After the step's last backward: a zero gradient for a parameter no micro-batch reached
+        (as ExactGradSum leaves it), and in exact mode the float64 sums rounded to float32."""
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                elif self.exact:
+                    local = p.grad.to_local()
+                    local.copy_(local.to(torch.float32))
+
+    def grad_norm(self) -> float:
+        """The global gradient norm, summed in the same order at any world size (docstring)."""
+        squares = torch.zeros(self.total_rows, dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for p, offset in zip(self.params, self.offsets, strict=True):
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                if local.numel() == 0:
+                    continue
+                start, end = row_range(p.shape[0], self.rank, self.world_size) if p.dim() else (0, 1)
+                rows = local.to(torch.float64).reshape(end - start, -1)
+                squares[offset + start:offset + end] = rows.square().sum(dim=1)
+        if is_distributed():
+            timed_all_reduce(squares)
+        return float(squares.sum().sqrt())
+
+    def clip_(self, max_norm: float) -> float:
+        """Scale the gradients to a global norm of at most `max_norm` (0: no clipping), as
+        torch's clip_grad_norm_ does (coefficient max_norm / (norm + 1e-6)); returns the norm."""
+        norm = self.grad_norm()
+        coef = max_norm / (norm + 1e-6) if max_norm > 0 else 1.0
+        if coef < 1.0:
+            with torch.no_grad():
+                for p in self.params:
+                    p.grad.mul_(coef)
+        return norm
+
+
+def sharded_bytes_per_param(grad_reduce: str, world_size: int) -> float:
+    """Bytes per parameter on each rank with AdamW (module docstring), before activations."""
+    return (32.0 if grad_reduce == "exact" else 16.0) / world_size
+
+
+def _local_rows(t: DTensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's rows of a sharded tensor, checked against the rule a reader will assume."""
+    local = t.to_local()
+    start, end = row_range(t.shape[0], rank, world_size)
+    if local.shape[0] != end - start:
+        raise RuntimeError(f"FSDP gave rank {rank} {local.shape[0]} rows of a tensor of shape "
+                           f"{list(t.shape)}; shardfiles.row_range expects {end - start}")
+    return local
+
+
+def sharded_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
+                     config: dict[str, Any], *, shard: int, shards: int,
+                     provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An in-memory CPU copy of this rank's rows of the model and of its optimizer state (keyed by
+    parameter name), in `checkpoint.snapshot`'s form: `write_checkpoint` writes it as any other."""
+    names = _parameter_names(model, optimizer)
+    part, row_sharded = {}, []
+    for name, t in model.state_dict().items():
+        if isinstance(t, DTensor):
+            part[name] = _local_rows(t, shard, shards)
+            row_sharded.append(name)
+        elif shard == 0:
+            part[name] = t
+    optim = optimizer.state_dict()
+    state = {names[i]: {k: _local_rows(v, shard, shards) if isinstance(v, DTensor) else v
+                        for k, v in entry.items()}
+             for i, entry in optim["state"].items()}
+    opt_part: dict[str, Any] = {"state": state}
+    if shard == 0:
+        opt_part["param_groups"] = optim["param_groups"]
+    snap = {"shard": shard, "shards": shards, "model": _to_cpu(part), "optimizer": _to_cpu(opt_part),
+            "comm_hook": None}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the asynchronous copies to pinned memory have landed
+    if shard == 0:
+        snap["extra"] = {"scaler": None, "rng": _to_cpu(rng_state())}
+        snap["state"] = {"format_version": FORMAT_VERSION, "train_state": dict(train_state),
+                         "world_size": shards, "shards": shards, "config": config,
+                         "model_signature": model_signature(model), "provenance": provenance or {},
+                         "sharding": "fsdp", "row_sharded": row_sharded}
+    return snap
+
+
+def _as_local(value: torch.Tensor, p: DTensor) -> DTensor:
+    return DTensor.from_local(value.to(p.device), p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def load_sharded_checkpoint(directory: str | Path, model: nn.Module,
+                            optimizer: torch.optim.Optimizer, restore_rng: bool = True) -> dict[str, Any]:
+    """Restore this rank's rows of the model and optimizer from a checkpoint written at any world
+    size, sharded or not; the RNG as `load_checkpoint` does. Returns the saved train state."""
+    state = read_state(directory)
+    check_compatible(directory, state, model)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    sharded = sharding_of(state) == "fsdp"
+    files = ShardedFiles(directory, "model", state) if sharded else None
+    whole = None if sharded else read_shards(directory, "model")
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if isinstance(t, DTensor):
+                start, end = row_range(t.shape[0], rank, world_size)
+                rows = files.rows(name, start, end) if files else whole[name][start:end]
+                t.to_local().copy_(rows)
+            else:
+                t.copy_(files.full(name) if files else whole[name])
+    optimizer.load_state_dict(_optimizer_rows(directory, state, model, optimizer, rank, world_size))
+    extra = torch.load(Path(directory) / "extra.pt", map_location="cpu", weights_only=True)
+    if restore_rng:
+        set_rng_state(extra["rng"])
+    return state["train_state"]
+
+
+def _optimizer_rows(directory: str | Path, state: dict[str, Any], model: nn.Module,
+                    optimizer: torch.optim.Optimizer, rank: int, world_size: int) -> dict[str, Any]:
+    """The optimizer's state dict with this rank's rows of every per-element state, as DTensors
+    (load_state_dict casts them to the parameters' dtype)."""
+    names = _parameter_names(model, optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if sharding_of(state) == "fsdp":
+        files = ShardedFiles(directory, "optimizer", state)
+        saved, groups = files.file(0)["state"], files.file(0)["param_groups"]
+    else:
+        files, whole = None, read_shards(directory, "optimizer")
+        saved, groups = {names[i]: v for i, v in whole["state"].items()}, whole["param_groups"]
+    out = {}
+    for i, p in enumerate(params):
+        if names[i] not in saved:
+            continue
+        entry = {}
+        for key, value in saved[names[i]].items():
+            per_element = isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(p, DTensor)
+            if not per_element:
+                entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                continue
+            start, end = row_range(p.shape[0], rank, world_size)
+            rows = files.rows(names[i], start, end, key) if files else value[start:end]
+            entry[key] = _as_local(rows, p)
+        out[i] = entry
+    return {"state": out, "param_groups": groups}
