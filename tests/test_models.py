@@ -183,6 +183,25 @@ def test_an_inline_model_and_loss_through_the_python_api(ray_cluster, labelled_d
     assert_equal_weights(final_weights(Path(result.run_dir)), reference.final["model"])
     losses = [json.loads(x)["loss"] for x in (Path(result.run_dir) / "metrics.jsonl").open()]
     assert losses == pytest.approx([r["loss"] for r in reference.steps], rel=1e-12)
+    # The run says which model it trained, and the command line, which cannot rebuild it, says so.
+    assert run_config(Path(result.run_dir)).model.inline_fn == f"{__name__}.make_bigram"
+    from elastic_train.cli import main
+
+    assert main(["export", result.run_dir, "--output", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+    assert load_trained(result.run_dir, model_fn=make_bigram).model.table.weight.shape[0] == 256
+
+
+def test_a_relative_model_path_trains(ray_cluster, bpe_dataset, llama_folder, tmp_path, monkeypatch):
+    """model.path relative to the driver's folder: resolved there, so the workers (elsewhere) find
+    it; the run's config.yaml holds the absolute path."""
+    monkeypatch.chdir(Path(llama_folder).parent)
+    cfg = load_config(None, [*SMALL, "model.name=hf", f"model.path={Path(llama_folder).name}",
+                             f"data.path={bpe_dataset}", f"run.storage_path={tmp_path}",
+                             "run.name=relative", "train.max_steps=2", "checkpoint.every_steps=0"])
+    result = train(cfg)
+    assert result.summary["status"] == "finished" and result.summary["steps"] == 2
+    assert run_config(Path(result.run_dir)).model.path == llama_folder
 
 
 def test_a_bad_row_stops_the_run_once_naming_it(ray_cluster, small_dataset, tmp_path):
