@@ -7,8 +7,9 @@ the goodput ledger. `--recovery in_place` runs the same with in-place recovery (
 survivor's next committed step after the death, and the replacement's join.
 
 `--goodput`: for each mode (restart, then in_place), a run of `--clean-steps` steps never
-interrupted (its steady rate), then a run of `--steps` steps with worker rank 1's process killed
-(SIGKILL, from outside, as a lost machine) every `--crash-every` seconds; goodput = the faulty
+interrupted (its steady rate), then a run of `--steps` steps with the youngest training worker
+process killed (SIGKILL, from outside, as a crash-looping machine: after the first kill, the
+replacement; recovery/chaos.py) every `--crash-every` seconds; goodput = the faulty
 run's steps per second of training (first step to last) / the uninterrupted run's, and the seconds
 from each kill to the next committed step.
 
@@ -20,17 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from elastic_train import load_config
 from elastic_train.api import train
 from elastic_train.observe.summary import read_jsonl
+from elastic_train.recovery.chaos import FaultSchedule
 
 BASE = ["log.progress=none", "eval.fraction=0", "checkpoint.keep_best=false"]
 
@@ -72,40 +71,6 @@ def single_crash(args) -> dict:
     return figures
 
 
-class Killer:
-    """SIGKILLs the live process of worker rank 1 every `every_s` seconds of training."""
-
-    def __init__(self, run_dir: Path, every_s: float) -> None:
-        self.run_dir, self.every_s = run_dir, every_s
-        self.kills: list[float] = []
-        self.done = threading.Event()
-
-    def _pid(self) -> int | None:
-        path = self.run_dir / "events.jsonl"
-        if not path.is_file():
-            return None
-        starts = [json.loads(line) for line in path.read_text().splitlines()
-                  if line.endswith("}") and '"start"' in line]
-        starts = [e for e in starts if e.get("event") == "start" and e.get("rank") == 1]
-        return starts[-1]["pid"] if starts else None
-
-    def run(self) -> None:
-        while not self.done.wait(0.2) and not (self.run_dir / "metrics.jsonl").is_file():
-            pass
-        next_kill = time.time() + self.every_s
-        while not self.done.wait(0.2):
-            if time.time() < next_kill:
-                continue
-            pid = self._pid()
-            try:
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                    self.kills.append(time.time())
-            except ProcessLookupError:
-                pass
-            next_kill = time.time() + self.every_s
-
-
 def timed_run(storage: str, name: str, recovery: str, steps: int, every: int,
               crash_every: float | None) -> dict:
     cfg = load_config(None, [
@@ -113,7 +78,7 @@ def timed_run(storage: str, name: str, recovery: str, steps: int, every: int,
         "train.epochs=1000", f"checkpoint.every_steps={every}", f"fault.recovery={recovery}",
         "scaling.max_failures=-1",
     ])
-    killer = Killer(Path(storage) / name, crash_every) if crash_every else None
+    killer = FaultSchedule(Path(storage) / name, crash_every) if crash_every else None
     thread = threading.Thread(target=killer.run, daemon=True) if killer else None
     if thread:
         thread.start()
@@ -121,11 +86,11 @@ def timed_run(storage: str, name: str, recovery: str, steps: int, every: int,
         result = train(cfg)
     finally:
         if killer:
-            killer.done.set()
+            killer.stop()
             thread.join()
     records = sorted(read_jsonl(Path(result.run_dir) / "metrics.jsonl"), key=lambda r: r["time"])
     first = records[0]["time"] - records[0]["step_time_s"]
-    kills = killer.kills if killer else []
+    kills = [k.time for k in killer.kills] if killer else []
     recover = [next((r["time"] for r in records if r["time"] > k), None) for k in kills]
     return {"train_s": records[-1]["time"] - first, "kills": len(kills), "steps": steps,
             "kill_to_next_step_s": [round(r - k, 2) for k, r in zip(kills, recover, strict=True) if r],

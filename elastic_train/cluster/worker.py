@@ -8,6 +8,7 @@ actor), and the fault-injection hooks that tests use.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -29,6 +30,7 @@ from elastic_train.cluster.inplace_ray import GROUP_ENV, JOINING
 from elastic_train.config import ConfigError, FaultConfig, config_from_dict
 from elastic_train.data.rowgroups import BlockTable, DataError
 from elastic_train.observe.provenance import versions
+from elastic_train.recovery import checkpoints as in_place_checkpoints
 from elastic_train.training.checkpoint import BestCheckpointWriter, write_checkpoint
 from elastic_train.training.watchdog import StepWatchdog, Verdict
 
@@ -89,6 +91,10 @@ class RayWorkerEnv:
         self._late_saved = False  # ... and whether its last checkpoint before the deadline was
         self.group = os.environ.get(GROUP_ENV)  # in-place recovery: the group start's token, or JOINING
         self.collective_timeout_s = watchdog.timeout_s  # in place: the group start's longest wait
+        self.heal_first = False  # in place: a replacement skips the restore (it heals from a peer)
+        self.checkpoint_keep = 2  # checkpoint.keep: in place, the writer's own retention
+        self.in_place_saved_step = -1  # in place: the last periodic checkpoint this process wrote
+        self._in_place_writer = None  # in place: the periodic checkpoints' writer (checkpoints.py)
 
     # -- model, data, checkpoints --------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module,
@@ -99,17 +105,31 @@ class RayWorkerEnv:
                                              else None, parallel_strategy_kwargs=ddp_kwargs)
 
     def latest_checkpoint_dir(self) -> str | None:
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
+        """The newest checkpoint, Ray's or one written in place (recovery/checkpoints.py), as a
+        local folder; None without one, or for a replacement in place that heals from a live peer
+        instead (`heal_first`: the peer's state is newer than any checkpoint)."""
+        if self.heal_first:
+            self.log_event({"event": "restore_skipped", "reason": "a live peer heals this replica"})
             return None
-        # Downloaded into a temporary folder named by the checkpoint: the local ranks of a node
-        # share one download (Ray's file lock), so a node reads the checkpoint once.
+        checkpoint = ray.train.get_checkpoint()
+        fs, run_path = raycompat.worker_run_folder()
+        pointer = in_place_checkpoints.read_pointer(fs, run_path)
+        ray_name = os.path.basename(checkpoint.path.rstrip("/")) if checkpoint is not None else None
+        chosen = in_place_checkpoints.newest(
+            ray_name, raycompat.checkpoint_step(ray_name) if ray_name else None, pointer)
+        if chosen is None:
+            return None
         t0 = time.monotonic()
-        local = checkpoint.to_directory()
+        if chosen[0] != ray_name:  # written in place, newer than Ray's
+            local = self._local_copy(fs, f"{run_path}/{chosen[0]}")
+        else:
+            # Downloaded into a temporary folder named by the checkpoint: the local ranks of a
+            # node share one download (Ray's file lock), so a node reads the checkpoint once.
+            local = checkpoint.to_directory()
         self.log_event({"event": "restore", "rank": self.world_rank,
                         "node": ray.get_runtime_context().get_node_id(),
-                        "checkpoint": os.path.basename(checkpoint.path.rstrip("/")),
-                        "local_dir": local, "seconds": round(time.monotonic() - t0, 3)})
+                        "checkpoint": chosen[0], "local_dir": local,
+                        "seconds": round(time.monotonic() - t0, 3)})
         state_path = os.path.join(local, "state.json")
         if os.path.exists(state_path):
             import json
@@ -117,6 +137,51 @@ class RayWorkerEnv:
             with open(state_path) as f:
                 self.last_saved_step = json.load(f)["train_state"]["step"]
         return local
+
+    @staticmethod
+    def _local_copy(fs, directory: str) -> str:
+        """A folder of the run's storage as a local path (copied for remote storage)."""
+        import pyarrow.fs as pafs
+
+        if isinstance(fs, pafs.LocalFileSystem):
+            return directory
+        local = tempfile.mkdtemp(prefix="elastic-train-restore-")
+        pafs.copy_files(directory, local, source_filesystem=fs)
+        return local
+
+    def save_in_place(self, snap: dict, step: int) -> None:
+        """In place: write a periodic checkpoint from this live participant, outside Ray's report
+        barrier (recovery/checkpoints.py), in the background; the loop is blocked only for the
+        snapshot already taken. Test hook: fault.crash_in_checkpoint at fault.crash_at_step ends
+        this process halfway through the write."""
+        if self._in_place_writer is None:
+            fs, run_path = raycompat.worker_run_folder()
+
+            def protected() -> str | None:  # Ray's latest: its own retention's, never ours
+                try:
+                    return raycompat.committed_checkpoint_dir(fs, run_path)
+                except raycompat.SnapshotUnreadable:
+                    return None
+
+            self._in_place_writer = in_place_checkpoints.InPlaceCheckpointWriter(
+                fs, run_path, self.checkpoint_keep, protected)
+        f = self.fault
+        crash = (f.crash_in_checkpoint and f.crash_at_step == step and f.crash_rank == self.world_rank
+                 and ray.get(self.runlog.claim_fault.remote(f"crash_in_checkpoint@{step}")))
+        if crash:
+            ray.get(self.log_event({"event": "crash_injected", "step": step, "in_checkpoint": True,
+                                    "saved_step": self.in_place_saved_step}))
+        self.in_place_saved_step = step
+
+        def committed(at: int, write_s: float) -> None:
+            self.log_event({"event": "checkpoint_committed", "step": at, "write_s": round(write_s, 3)})
+
+        self._in_place_writer.submit(snap, step, committed, crash_midway=crash)
+
+    def wait_for_checkpoints(self) -> None:
+        """In place: until the periodic checkpoint in flight is written (the run's end)."""
+        if self._in_place_writer is not None:
+            self._in_place_writer.wait()
 
     def save_checkpoint(self, snap: dict | None, step: int, final: bool) -> None:
         """Every rank reports (a barrier) with its share of the checkpoint, written in the
@@ -139,8 +204,15 @@ class RayWorkerEnv:
         def upload_fn(ckpt: Checkpoint, dir_name: str) -> Checkpoint:
             if crash:  # the test hook dies mid-write once the checkpoint before is committed
                 self._wait_for_commit_then_log(previous, step, in_checkpoint=True)
-            write_checkpoint(snap, ckpt.path, crash_midway=crash)
             storage = ray.train.get_context().get_storage()
+            written = f"{storage.experiment_fs_path}/{dir_name}"
+            if self.group is not None and in_place_checkpoints.is_whole(storage.storage_filesystem,
+                                                                         written):
+                # in place, the final step's periodic checkpoint, written whole already: Ray
+                # registers that folder (rewriting it could leave it half written)
+                shutil.rmtree(ckpt.path, ignore_errors=True)
+                return Checkpoint(written, filesystem=storage.storage_filesystem)
+            write_checkpoint(snap, ckpt.path, crash_midway=crash)
             return storage.persist_current_checkpoint(ckpt, dir_name)  # Ray deletes the local copy
 
         ray.train.report(
@@ -345,6 +417,8 @@ class RayWorkerEnv:
         f = self.fault
         if f.slow_rank == self.world_rank:
             time.sleep(f.slow_step_s)
+        if f.step_pause_s:
+            time.sleep(f.step_pause_s)
         if f.hold_for_resize_at_step is not None and self.world_rank == 0:
             self._hold_for_resize(step, f.hold_for_resize_at_step)
         if f.wait_for_replacement_at_step == step:
@@ -404,7 +478,10 @@ class RayWorkerEnv:
         check the resume from a known checkpoint, so the hook waits for it instead of racing it."""
         fs, run_path = raycompat.worker_run_folder()
         t0 = time.monotonic()
-        if saved_step > 0:
+        if self.group is not None:  # in place: periodic checkpoints are committed by a pointer
+            saved_step = max(saved_step, self.in_place_saved_step)
+            committed = self._wait_for_in_place_pointer(fs, run_path, saved_step)
+        elif saved_step > 0:
             committed = raycompat.wait_until_committed(fs, run_path, saved_step, CRASH_COMMIT_WAIT_S)
         else:
             committed = raycompat.committed_step(fs, run_path)
@@ -415,6 +492,28 @@ class RayWorkerEnv:
         if saved_step > 0 and (committed is None or committed < saved_step):
             record["commit_wait_timed_out"] = True  # crash anyway: the test will see it
         ray.get(self.runlog.log_event.remote(record))
+
+    @staticmethod
+    def _wait_for_in_place_pointer(fs, run_path: str, saved_step: int) -> int | None:
+        """In place: wait (bounded) until the pointer names `saved_step` or later; its step."""
+        deadline = time.monotonic() + CRASH_COMMIT_WAIT_S
+        while True:
+            pointer = in_place_checkpoints.read_pointer(fs, run_path)
+            step = pointer["step"] if pointer else None
+            if saved_step <= 0 or (step is not None and step >= saved_step) \
+                    or time.monotonic() > deadline:
+                return step
+            time.sleep(0.05)
+
+    def maybe_crash_in_heal(self) -> None:
+        """Test hook (fault.crash_in_heal): the first replacement of fault.crash_rank dies as it
+        starts to receive its heal from a peer (the peer is sending it)."""
+        f = self.fault
+        if not (f.crash_in_heal and self.joining and f.crash_rank == self.world_rank):
+            return
+        if ray.get(self.runlog.claim_fault.remote("crash_in_heal")):
+            ray.get(self.log_event({"event": "crash_injected", "in_heal": True}))
+            os._exit(1)
 
     def maybe_poison_gradient(self, model: torch.nn.Module, step: int) -> None:
         f = self.fault
@@ -472,6 +571,11 @@ def train_worker(config: dict[str, Any]) -> None:
     env = RayWorkerEnv(cfg.fault, cfg.data.record_ids, config["runlog"], config["block_table"],
                        watchdog, tuple(config["extra_columns"]), config.get("eval_table"),
                        config.get("provenance"), startup)
+    env.checkpoint_keep = cfg.checkpoint.keep
+    # the first sign of this process in the run's events (a fault schedule from outside finds a
+    # replacement by it while it still starts, restores or heals: tests, benchmarks/recovery.py)
+    env.log_event({"event": "worker_started", "process_start": startup["process_start"],
+                   "joining": env.joining})
     if ray.get(config["runlog"].progress.remote())["fatal"]:
         return  # an earlier attempt found what stops this run (see below)
     watchdog.start(env.on_verdict)

@@ -188,6 +188,11 @@ class FaultConfig:
     # and its process is ended by a task on its node (fence.py); None: its own step watchdog's
     # deadline (3 x scaling.collective_timeout_s) + 10 s, when a process that can run has ended itself
     fence_after_s: float | None = None
+    # in place: the longest a replica waits on a peer that may be gone (the process group's
+    # rendezvous with the quorum's members, sending or receiving a heal, a peer manager's reply),
+    # not on a peer's work: a step's all-reduce still waits scaling.collective_timeout_s. Must
+    # exceed the time the whole state takes to cross to a replacement (a heal)
+    in_place_timeout_s: float = 5.0
     crash_at_step: int | None = None  # test hook: that rank's process dies hard once at this step
     crash_rank: int = 0
     crash_in_checkpoint: bool = False  # die in the middle of writing the checkpoint of that step
@@ -195,6 +200,11 @@ class FaultConfig:
     nan_rank: int = 0
     nan_repeat: bool = False  # poison it on every attempt (tests rollback, then failure)
     crash_in_eval: bool = False  # die in the middle of the evaluation after crash_at_step
+    # test hook (in place): the first replacement of crash_rank dies as it heals from its peer
+    crash_in_heal: bool = False
+    # test hook: every rank sleeps this long after each step (paces a run so that a schedule of
+    # faults from outside spans it; the numbers trained are unchanged)
+    step_pause_s: float = 0.0
     hang_at_step: int | None = None  # test hook: that rank's step blocks forever, once, at this step
     hang_rank: int = 0
     slow_rank: int | None = None  # test hook: this rank sleeps slow_step_s in every step

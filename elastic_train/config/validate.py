@@ -273,6 +273,11 @@ def _validate_fault(f: FaultConfig, s: ScalingConfig) -> None:
              "fault.fence_after_s applies to fault.recovery=in_place (restart mode ends a whole "
              "group, frozen workers too)")
     _at_least("fault.fence_after_s", f.fence_after_s, 1)
+    _at_least("fault.in_place_timeout_s", f.in_place_timeout_s, 0.1)
+    _at_least("fault.step_pause_s", f.step_pause_s, 0)
+    _require(not f.crash_in_heal or (f.recovery == "in_place" and f.crash_at_step is not None),
+             "fault.crash_in_heal is a test hook of fault.recovery=in_place: it needs "
+             "fault.crash_at_step (the first death, whose replacement then dies as it heals)")
     for key in ("crash_at_step", "nan_at_step", "hang_at_step", "wait_for_replacement_at_step"):
         _at_least(f"fault.{key}", getattr(f, key), 1)
     for key in ("crash_rank", "nan_rank", "hang_rank", "slow_rank"):

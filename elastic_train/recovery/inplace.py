@@ -63,6 +63,9 @@ from elastic_train.training.step import TrainState, accumulate, optimizer_step
 QUIET_RUST_LOG = "warn"  # torchft's Rust side logs every quorum and commit at info
 SLOTS = ("loss", "targets", "real", "padded", "rows", "micro_batches")
 STALE_POLL_S = 0.2  # a joiner alone behind the run: how often it looks for its peers again
+# a replacement that skipped its restore waits this many fault.in_place_timeout_s for a peer to
+# heal from (a heal takes at most one), then restores the last checkpoint instead
+HEAL_WAIT_TIMEOUTS = 3
 
 
 class PartitionPool:
@@ -125,6 +128,9 @@ class Replica:
     manager: Any = None
     healed_from_step: int | None = None  # set by a heal (the peer's step)
     heals: int = 0
+    # a replacement that skipped its restore (a live peer heals it): no state of the run until a
+    # heal, or the restore it falls back to (`_restore_instead`), so it must not train before
+    unrestored: bool = False
 
     def state_dict(self) -> dict[str, Any]:
         t = self.t
@@ -136,40 +142,101 @@ class Replica:
         t.raw_model.load_state_dict(sd["model"])
         t.optimizer.load_state_dict(sd["optim"])
         t.state = TrainState(**sd["train_state"])
-        self.healed_from_step, self.heals = t.state.step, self.heals + 1
+        self.healed_from_step, self.heals, self.unrestored = t.state.step, self.heals + 1, False
 
 
-def start_manager(cfg: Config, env: WorkerEnv, replica: Replica) -> Any:
+def start_manager(cfg: Config, env: InPlaceEnv, replica: Replica) -> Any:
     """A Manager for this worker as a replica group of one, at the restored step. The quorum is
-    synchronous (a joining replica heals before the forward and takes part in the same step); the
-    process group's timeout bounds how long a hung (not dead) peer blocks a step."""
+    synchronous (a joining replica heals before the forward and takes part in the same step).
+
+    Two kinds of wait, two timeouts (torchft 0.2.0 gives every wait the one `timeout`; with
+    scaling.collective_timeout_s, 300 s, a survivor sat out 300 s for a replacement killed as it
+    joined: issue 32):
+    - On a peer that may be gone: `fault.in_place_timeout_s` (seconds). The process group's
+      rendezvous with the quorum's members (`configure`: a TCPStore wait for each member's
+      address, "wait timeout after 300000ms" when a member died after the lighthouse counted it),
+      a heal's transfer (`send_checkpoint`/`recv_checkpoint`), the peer manager's checkpoint
+      address, the commit vote and every RPC connection. A killed peer's sockets close with it, so
+      a transfer or a connection fails at once; only a member that never reaches the rendezvous
+      costs the whole timeout, and one such step: the step is not committed, torchft bumps the
+      quorum id after a commit failure, and the next quorum (without the dead, whose heartbeat
+      stopped 1 s after it died: inplace_ray.py) configures a fresh group. A timeout too short for
+      a live but slow peer costs the same one step, never correctness.
+    - On a peer's work: `scaling.collective_timeout_s`. A step's all-reduce waits for a peer still
+      computing its share (`InPlaceGloo` sets it per collective), and the quorum call to the
+      lighthouse, which answers within its join timeout (3 s) unless it is itself unreachable.
+      A hung (not dead) peer blocks a step this long; the step watchdog allows three of them.
+    """
     os.environ.setdefault("RUST_LOG", QUIET_RUST_LOG)  # before torchft starts its Rust runtime
     # a line per quorum and commit (torchft_commits: an empty one, for its structured handlers)
     for name in ("torchft", "torchft_quorums", "torchft_commits"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # torchft 0.2.0's own use of deprecated torch APIs in its checkpoint transport, once a process
     warnings.filterwarnings("ignore", module=r"torchft\.checkpointing")
-    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-    from torchft.checkpointing.pg_transport import PGTransport
+    from torchft import Manager
 
-    timeout = timedelta(seconds=cfg.scaling.collective_timeout_s)
-    pg = ProcessGroupNCCL(timeout=timeout) if env.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+    peer = timedelta(seconds=cfg.fault.in_place_timeout_s)
+    work = timedelta(seconds=cfg.scaling.collective_timeout_s)
+    pg = build_process_group(env.device, peer, work)
     manager = Manager(
         pg=pg, min_replica_size=1, load_state_dict=replica.load_state_dict,
-        state_dict=replica.state_dict, use_async_quorum=False, timeout=timeout,
-        quorum_timeout=timeout, rank=0, world_size=1,
+        state_dict=replica.state_dict, use_async_quorum=False, timeout=peer,
+        quorum_timeout=work, connect_timeout=peer, rank=0, world_size=1,
         replica_id=f"{cfg.run.name}_{env.world_rank}_{uuid.uuid4().hex[:8]}",
-        checkpoint_transport=PGTransport(pg, timeout=timeout, device=env.device))
+        checkpoint_transport=heal_transport(pg, peer, env))
     step = replica.t.state.step
     manager.load_state_dict({"step": step, "batches_committed": step})
     replica.manager = manager
     return manager
 
 
+def build_process_group(device: torch.device, peer: timedelta, work: timedelta) -> Any:
+    """torchft's reconfigurable process group whose `configure` (the rendezvous of a new quorum)
+    waits at most `peer`, and whose collectives wait `work` (start_manager says why)."""
+    from torchft import ProcessGroupGloo, ProcessGroupNCCL
+
+    class InPlaceGloo(ProcessGroupGloo):
+        """Gloo fixes a context's default timeout when the group is made (the rendezvous's
+        too): made with `peer`; each collective asks for `work` in its options (gloo honours an
+        op's own timeout: measured, an all-reduce waited 4 s for a late peer on a group of 2 s)."""
+
+        def _opts_hook(self, opts: Any) -> Any:
+            if hasattr(opts, "timeout"):
+                opts.timeout = work
+            return opts
+
+    class InPlaceNCCL(ProcessGroupNCCL):
+        """torchft's NCCL group times each operation by its `_timeout` (aborting the
+        communicator): `peer` while it configures, `work` after."""
+
+        def configure(self, *args: Any, **kwargs: Any) -> None:
+            self._timeout = peer
+            try:
+                super().configure(*args, **kwargs)
+            finally:
+                self._timeout = work
+
+    return InPlaceNCCL(timeout=work) if device.type == "cuda" else InPlaceGloo(timeout=peer)
+
+
+def heal_transport(pg: Any, timeout: timedelta, env: InPlaceEnv) -> Any:
+    """torchft's transport of a heal over the process group (model, optimizer, counters and
+    cursors), with the test hook that kills a replacement as it starts to receive one."""
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    class HealTransport(PGTransport):
+        def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+            env.maybe_crash_in_heal()
+            return super().recv_checkpoint(*args, **kwargs)
+
+    return HealTransport(pg, timeout=timeout, device=env.device)
+
+
 class InPlaceEnv(WorkerEnv, Protocol):
     """What `in_place_loop` uses beyond `loop.WorkerEnv` (Ray: `worker.RayWorkerEnv`)."""
 
     joining: bool  # this worker replaces a lost replica of a running group
+    heal_first: bool  # set by the loop: skip the restore, a live peer heals this replica
     fence_after_s: float  # a replica missing from the steps this long is ended (fence.py)
 
     def run_finished(self) -> int | None: ...  # the step the run's training ended at, if it has
@@ -179,6 +246,9 @@ class InPlaceEnv(WorkerEnv, Protocol):
     # every participant: the first to arrive is kept
     def log_committed(self, record: dict[str, Any], ids: list[int] | None) -> None: ...
     def fence(self, world_rank: int, pid: int, missing_s: float) -> None: ...
+    def save_in_place(self, snap: dict[str, Any], step: int) -> None: ...  # outside Ray's barrier
+    def wait_for_checkpoints(self) -> None: ...  # the periodic one in flight, written
+    def maybe_crash_in_heal(self) -> None: ...  # test hook: die as a heal starts to arrive
 
 
 @dataclass(frozen=True)
@@ -282,8 +352,11 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
     """Run (or resume) training on this worker as one replica among the live ones."""
     k = num_partitions(cfg)
     layout = Layout.of(cfg, env.world_size)
+    # a replacement while a peer trains heals from it at the run's current step: restoring the
+    # last checkpoint first would only cost time (issue 32: ten replacements each read one)
+    env.heal_first = env.joining and env.run_finished() is None and env.latest_step() is not None
     t = build_training(cfg, env, model_fn, loss_fn, reduce_extra=layout.size)
-    replica = Replica(t)
+    replica = Replica(t, unrestored=env.heal_first)
     manager = start_manager(cfg, env, replica)
     attempt = env.begin_attempt()
     reader = make_reader("pyarrow", env.block_table, env.extra_columns,
@@ -302,12 +375,13 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
     seen, prank = None, None  # the last (quorum id, participants) logged; the participating rank
     fencer = Fencer(env.fence_after_s, lambda rank, pid, missing_s: _fence(env, rank, pid, missing_s))
     stale_deadline = time.monotonic() + cfg.scaling.collective_timeout_s
+    heal_deadline = time.monotonic() + HEAL_WAIT_TIMEOUTS * cfg.fault.in_place_timeout_s
     try:
         while not _advance(t.state, cfg, pool):
             env.step_began(t.state.step + 1)
             t0 = time.perf_counter()
             stale = committed_here == 0 and time.monotonic() < stale_deadline
-            verdict = _join_quorum(env, replica, cfg, pool, stale)
+            verdict = _join_quorum(env, replica, cfg, pool, stale, heal_deadline)
             if verdict != "train":
                 env.step_ended(None)
                 if verdict == "over":
@@ -355,10 +429,11 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
             if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
                 best = _evaluate(cfg, env, t, attempt, best, prank == 0)
             every = cfg.checkpoint.every_steps
-            if every and state.step % every == 0 and n == env.world_size:
+            if every and state.step % every == 0:
                 _log_reads(env, attempt, reader)
                 save_in_place(env, cfg, t, writer=prank == 0, final=False)
         manager.shutdown(wait=False)
+        env.wait_for_checkpoints()
         reader.close()
         _log_reads(env, attempt, reader)
         if env.joining and not committed_here:
@@ -379,11 +454,12 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
 
 
 def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: PartitionPool,
-                 may_be_stale: bool) -> str:
+                 may_be_stale: bool, heal_deadline: float) -> str:
     """This step's quorum (a replica behind the others heals inside it): "train", "wait" (a
     replacement alone and behind the run: its peers come to the next quorum, so it never trains
     the run again; `may_be_stale` is False once it committed a step, or past its deadline, when
-    every other replica was lost too) or "over" (the run ended while it started)."""
+    every other replica was lost too; or a replacement not healed yet, see `_restore_instead`)
+    or "over" (the run ended while it started)."""
     manager = replica.manager
     manager.start_quorum()
     if replica.healed_from_step is not None:
@@ -393,6 +469,18 @@ def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: Partition
         replica.healed_from_step = None
         if _advance(replica.t.state, cfg, pool):  # a peer's state (never past the end: it is here)
             return "over"
+    if replica.unrestored:
+        # in a quorum of replicas without the run's state (the peer it was to heal from was
+        # lost): it never trains from there; past its deadline it restores the last checkpoint
+        manager.report_error(RuntimeError("a replacement not healed yet"))
+        manager.should_commit()  # False: the step count stays as it was
+        if env.run_finished() is not None:
+            return "over"
+        if time.monotonic() > heal_deadline:
+            _restore_instead(env, replica)
+        else:
+            time.sleep(STALE_POLL_S)
+        return "wait"
     alone = manager.num_participants() == 1
     if not (env.joining and may_be_stale and not replica.heals and alone and _stale(env, replica.t.state)):
         return "train"
@@ -402,6 +490,23 @@ def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: Partition
         return "over"
     time.sleep(STALE_POLL_S)
     return "wait"
+
+
+def _restore_instead(env: InPlaceEnv, replica: Replica) -> None:
+    """A replacement that skipped its restore to heal from a peer, and found none to heal from
+    within its deadline: it restores the last checkpoint now (a heal may still follow: a replica
+    behind the others heals at the next quorum they share)."""
+    t = replica.t
+    env.heal_first = False
+    directory = env.latest_checkpoint_dir()
+    if directory is not None:
+        from elastic_train.training.checkpoint import load_checkpoint
+
+        t.state = TrainState(**load_checkpoint(directory, t.raw_model, t.optimizer, t.setup.scaler))
+        t.state.grad_reduce = "exact"
+    replica.unrestored = False
+    replica.manager.load_state_dict({"step": t.state.step, "batches_committed": t.state.step})
+    env.log_event({"event": "restored_instead_of_healing", "step": t.state.step})
 
 
 def _fence(env: InPlaceEnv, rank: int, pid: int, missing_s: float) -> None:
@@ -443,19 +548,24 @@ def _stale(env: WorkerEnv, state: TrainState) -> bool:
     return latest is not None and latest > state.step
 
 
-def save_in_place(env: WorkerEnv, cfg: Config, t: Training, *, writer: bool, final: bool) -> None:
-    """Every worker reports (Ray's report is a barrier over all of them); one of them, `writer`,
-    with the whole state (one shard: every replica holds all of it, cursors of every partition
-    included), so a resume at any world size, in either mode, reads it."""
+def save_in_place(env: InPlaceEnv, cfg: Config, t: Training, *, writer: bool, final: bool) -> None:
+    """One replica, `writer` (a live participant), saves the whole state (one shard: every
+    replica holds all of it, cursors of every partition included), so a resume at any world size,
+    in either mode, reads it. A periodic checkpoint is written outside Ray's report barrier
+    (recovery/checkpoints.py: a barrier would wait for replicas outside the quorum); the final one
+    is reported by every worker, so Ray's result names it."""
     state = t.state
-    if state.step == env.last_saved_step:  # the final save right after a periodic one
+    if not final and not writer:
         return
+    t0 = time.perf_counter()
     snap = None
     if writer:
         snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),
                         env.world_size, env.provenance, shard=0, shards=1)
-    t0 = time.perf_counter()
-    env.save_checkpoint(snap, state.step, final=final)
+    if final:
+        env.save_checkpoint(snap, state.step, final=True)
+    else:
+        env.save_in_place(snap, state.step)
     if writer:
         env.log_event({"event": "checkpoint", "step": state.step, "final": final,
                        "blocked_s": time.perf_counter() - t0})
