@@ -32,7 +32,6 @@ from elastic_train.cluster.nodewatch import (
 )
 from elastic_train.cluster.runlog import poll_progress
 from elastic_train.cluster.runwatch import (
-    RunStopped,
     RunWatch,
     StopSignals,
     abort_controller,
@@ -100,20 +99,18 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
     for fn in (model_fn, loss_fn):
         ship_by_value(fn)
     startup["checks_done"] = time.time()
-    with ray_console(verbose) as ray_log, StopSignals() as stop:
-        try:
-            started_here = init_ray(cfg)
-        except RunStopped as exc:
-            raise TrainingStopped(exc.signal_name, {}) from None
+    with ray_console(verbose) as ray_log:
+        started_here = init_ray(cfg)
         unroute = route_forwarded_lines(ray_log, verbose)
         try:
-            check_capacity(cfg, started_here)
-            return _run(cfg, info, model_fn, loss_fn, progress or None, verbose, ray_log, startup,
-                        local=started_here, stop=stop)
-        except RunStopped as exc:  # before the fit began: nothing to summarise
-            raise TrainingStopped(exc.signal_name, {}) from None
+            # After ray.init: Ray's core installs a SIGTERM handler of its own (it aborts)
+            with StopSignals() as stop:
+                check_capacity(cfg, started_here)
+                return _run(cfg, info, model_fn, loss_fn, progress or None, verbose, ray_log,
+                            startup, local=started_here, stop=stop)
+        except KeyboardInterrupt as exc:  # before the fit began: nothing to summarise
+            raise TrainingStopped(getattr(exc, "signal_name", "SIGINT"), {}) from None
         finally:
-            stop.disarm()
             if started_here:
                 ray.shutdown()  # first: it stops the thread that forwards lines
             unroute()
@@ -189,8 +186,8 @@ def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals)
     except ray.train.TrainingFailedError as exc:
         outcome.failure = describe_failure(exc)
         outcome.error = watch.reason or _reason(outcome.failure) or _short_reason(exc)
-    except RunStopped as exc:
-        outcome.stopped = exc.signal_name
+    except KeyboardInterrupt as exc:  # RunStopped, or Ray's own KeyboardInterrupt for it from a get
+        outcome.stopped = getattr(exc, "signal_name", None) or (stop.received or ["SIGINT"])[0]
     except ray.exceptions.RayError:
         if watch.reason is None:
             raise

@@ -62,8 +62,9 @@ class Failure:
 
     @property
     def signature(self) -> str:
-        """The failure without its numbers (pids, ports, ids): equal for the same failure."""
-        return re.sub(r"\d+", "#", f"{self.kind}|{self.rank}|{self.cause}")
+        """The failure without its numbers (pids, ports, ids) and its rank (every rank fails the
+        same way; which one Ray names first varies): equal for the same failure."""
+        return re.sub(r"\d+", "#", f"{self.kind}|{self.cause}")
 
     def record(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "traceback"}

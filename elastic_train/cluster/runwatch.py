@@ -51,7 +51,7 @@ def failure_line(failure: dict[str, Any], next_attempt: dict[str, Any] | None) -
     attempt = f"attempt {failure['attempt']}: " if failure.get("attempt") is not None else ""
     line = f"{attempt}{who}{where} failed{at}: {failure['cause']}"
     committed = failure.get("committed_step")
-    start = f"checkpoint of step {committed}" if committed is not None else "the start (no checkpoint)"
+    start = f"the checkpoint of step {committed}" if committed is not None else "the start (no checkpoint)"
     if failure.get("decision") == "give_up":
         repeats = failure.get("repeats", 1)
         again = f" ({repeats} times in a row without a step)" if repeats > 1 else ""
@@ -59,8 +59,8 @@ def failure_line(failure: dict[str, Any], next_attempt: dict[str, Any] | None) -
     if failure.get("in_place"):
         return f"{line}; the others train on, a replacement joins in place"
     if next_attempt is not None:
-        return f"{line}; resumed from the {start} with {next_attempt['world_size']} workers"
-    return f"{line}; restarting from the {start}"
+        return f"{line}; resumed from {start} with {next_attempt['world_size']} workers"
+    return f"{line}; restarting from {start}"
 
 
 class RunWatch:
@@ -104,14 +104,16 @@ class RunWatch:
             return
         now = self.clock()
         attempts = [a for a in state["attempts"] if a["start_time"] >= self._fit_start]
-        for i, failure in enumerate(state.get("failures", [])):
+        failures = state.get("failures", [])
+        for i, failure in enumerate(failures):
             if i in self.printed or failure["kind"] == "start_timeout":
                 continue
             later = [a for a in attempts if a["start_time"] > failure["time"]]
-            if (later or final or failure.get("decision") == "give_up" or failure.get("in_place")
-                    or now - failure["time"] > RESUME_LINE_WAIT_S):
-                self.printed.add(i)
-                self._print(failure_line(failure, later[0] if later else None))
+            if not (later or final or i < len(failures) - 1 or failure.get("decision") == "give_up"
+                    or failure.get("in_place") or now - failure["time"] > RESUME_LINE_WAIT_S):
+                break  # its line waits for the next attempt's size; the lines keep their order
+            self.printed.add(i)
+            self._print(failure_line(failure, later[0] if later else None))
         if not final:
             self._watch_start(attempts, now)
 
@@ -206,7 +208,8 @@ class StopSignals:
         import signal
 
         for number, handler in self._saved.items():
-            signal.signal(number, handler)
+            # None: a handler installed outside Python (Ray's core): the default comes back
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
 
     def disarm(self) -> None:
         self.armed = False

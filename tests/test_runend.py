@@ -1,0 +1,188 @@
+"""How runs end, on real Ray: a run that cannot start says so in bounded time, a failure that
+repeats without progress ends the run, a crash is one line of ours on the console and an `end` in
+attempts.json, a finished run re-run changes no file, a stopped run releases what it held.
+
+One local cluster for the module's in-process runs; the console tests run the installed command
+in a subprocess (its own cluster, or this one by RAY_ADDRESS) to see what a user sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY
+
+from elastic_train import load_config
+from elastic_train.api import TrainingFailed, train
+from elastic_train.cli import main
+
+pytestmark = pytest.mark.ray
+
+BIN = Path(sys.executable).parent
+DRIVER_PID = os.getpid()
+OURS = re.compile(r"^(attempt \d+: )?(rank \d+|the worker group)( on node \S+)? failed")  # runwatch
+
+
+def snapshot_files(root: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def events(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+
+
+def wait_for(what: str, condition, timeout_s: float = 120.0, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+
+
+def test_a_cluster_without_room_fails_at_once_naming_the_shortfall(ray_cluster, small_dataset,
+                                                                   tmp_path, capsys):
+    """8 workers x 1 CPU on the module's 4-CPU cluster, which cannot grow: one error, before
+    any worker or run folder, where Ray Train would wait forever."""
+    started = time.monotonic()
+    code = main(["train", *TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
+                 "run.name=big", "scaling.min_workers=8", "scaling.max_workers=8",
+                 "data.global_batch_tokens=8192"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1, errors
+    assert "needs 8 workers x 1 CPU; the cluster has 4 CPU on 1 node, room for 4" in errors[0]
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "big").exists()
+
+
+def fails_on_workers(vocab_size: int, max_seq_len: int, **kwargs):
+    """A model that builds on the driver (its checks pass) and fails on every worker, the same
+    way every time: what an import error on the workers looks like to Ray Train."""
+    if os.getpid() != DRIVER_PID:
+        raise ValueError("cannot load the layer library on this node")
+    from elastic_train.config import ModelConfig
+    from elastic_train.training.model import GPT
+
+    return GPT(ModelConfig(n_layer=1, n_head=2, d_model=32), max_seq_len, vocab_size)
+
+
+def test_the_same_failure_three_times_ends_the_run(ray_cluster, small_dataset, tmp_path, capsys):
+    """Unlimited restarts (max_failures=-1): the same failure 3 times in a row without a step
+    ends the run with that failure and the worker's traceback, instead of retrying forever."""
+    cfg = load_config(None, [*TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
+                             "run.name=same", "scaling.max_failures=-1"])
+    with pytest.raises(TrainingFailed, match="cannot load the layer library") as info:
+        train(cfg, model_fn=fails_on_workers)
+    assert info.value.summary["status"] == "failed"
+    assert re.match(r"rank \d: ValueError: .*cannot load the layer library", info.value.summary["reason"])
+    failures = [e for e in events(tmp_path / "same") if e["event"] == "failure"]
+    assert [f["decision"] for f in failures] == ["retry", "retry", "give_up"]
+    assert [f["repeats"] for f in failures] == [1, 2, 3]
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if OURS.match(line)]
+    assert len(ours) == 3 and ours[-1].endswith("(3 times in a row without a step); giving up"), err
+    assert re.search(r"the failing worker's error \(rank \d\):\nTraceback", err), err[-3000:]
+
+
+def _console(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    env = env or {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.Popen([str(BIN / "elastic-train"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
+
+
+@pytest.mark.timeout(400)
+def test_a_crash_is_one_line_of_ours_and_a_rerun_changes_nothing(small_dataset, tmp_path):
+    """The real console of a run whose rank 1 dies hard at step 8: one line of ours names rank,
+    node, cause, step and the checkpoint it resumed from, with none of Ray's tracebacks;
+    attempts.json ends attempt 0 with the same. Then the same command again: the run is finished,
+    it says how to go on, and no file of the run folder changes."""
+    argv = ["train", *TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
+            "run.name=crash", "train.max_steps=14", "checkpoint.every_steps=4",
+            "fault.crash_at_step=8", "fault.crash_rank=1", "log.progress=lines"]
+    proc = _console(*argv, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=360)
+    assert proc.returncode == 0, out[-4000:]
+    ours = [line for line in out.splitlines() if OURS.match(line)]
+    assert len(ours) == 1, out[-4000:]
+    assert ours[0].startswith("attempt 0: rank 1 on node ") and "its process died" in ours[0]
+    assert "resumed from the checkpoint of step" in ours[0] and ours[0].endswith("with 2 workers")
+    for noise in ("Traceback", "A worker died or was killed", "Token authentication",
+                  "Found multiple active Ray instances"):
+        assert noise not in out, out[-4000:]
+    folder = tmp_path / "crash"
+    end = json.loads((folder / "attempts.json").read_text())[0]["end"]
+    assert end["rank"] == 1 and end["node"] and end["step"] == 8 and end["committed_step"] <= 8
+    assert "Traceback" in (folder / "ray.log").read_text()  # Ray's reports are kept there
+    summary = json.loads((folder / "summary.json").read_text())
+    assert (summary["restarts"], summary["resumes"]) == (1, 0)
+
+    before = snapshot_files(folder)
+    again = _console(*argv, cwd=tmp_path)
+    out, _ = again.communicate(timeout=120)
+    assert again.returncode == 0, out[-3000:]
+    assert "run crash already finished at step 14" in out and "train.max_steps=28" in out
+    assert snapshot_files(folder) == before
+
+
+def test_a_users_resume_is_not_a_restart(ray_cluster, small_dataset, tmp_path):
+    cfg = [*TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}", "run.name=more",
+           "checkpoint.every_steps=4"]
+    train(load_config(None, [*cfg, "train.max_steps=4"]))
+    result = train(load_config(None, [*cfg, "train.max_steps=8"]))
+    assert result.summary["steps"] == 8 and result.note is None
+    assert (result.summary["restarts"], result.summary["resumes"]) == (0, 1)
+    causes = [a["cause"] for a in json.loads((tmp_path / "more" / "attempts.json").read_text())]
+    assert causes == ["start", "resume"]
+
+
+def _held(run_ids_before: set[str]) -> tuple[list[str], list[str]]:
+    """Requests at Ray's autoscaling coordinator and placement groups not removed, beyond those
+    held before."""
+    import ray.util
+
+    from elastic_train.cluster.runwatch import open_requests
+
+    requests = [r for r in open_requests() if r not in run_ids_before]
+    groups = [pg_id for pg_id, pg in ray.util.placement_group_table().items()
+              if pg["state"] != "REMOVED" and pg_id not in run_ids_before]
+    return requests, groups
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_run_writes_its_summary_and_releases_what_it_held(ray_cluster, small_dataset,
+                                                                    tmp_path):
+    """SIGTERM (what `ray job stop` sends) to a driver on this cluster, mid-run: summary.json says
+    "stopped" with the steps so far, and neither its placement group nor its resource request
+    at Ray's autoscaling coordinator outlives it (left there, that request kept the next run on a
+    2-CPU head waiting 136-158 s)."""
+    import ray
+
+    requests, groups = _held(set())
+    held_before = set(requests) | set(groups)
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    proc = _console("train", *TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
+                    "run.name=stop", "train.max_steps=100000", "train.epochs=1000",
+                    "checkpoint.every_steps=20", cwd=tmp_path, env=env)
+    metrics = tmp_path / "stop" / "metrics.jsonl"
+    try:
+        wait_for("the first step", lambda: metrics.is_file() and metrics.read_text().strip())
+        assert _held(held_before) != ([], []), "the running run holds nothing?"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["steps"] >= 1
+    assert json.loads((tmp_path / "stop" / "attempts.json").read_text())[-1]["end"]["cause"] == "stopped"
+    wait_for("the run's placement group and resource request gone",
+             lambda: _held(held_before) == ([], []), timeout_s=30)

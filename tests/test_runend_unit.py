@@ -1,0 +1,137 @@
+"""A run that cannot start says so, one line per failure, resumes counted apart (no cluster).
+
+The Ray side of the same (the real console of a crashed run, a stopped run's release, the
+bound on repeated failures, a finished run left alone) is tests/test_runend.py."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from ray.exceptions import RayActorError
+from ray.train.v2._internal.exceptions import (
+    WorkerGroupStartupFailedError,
+    WorkerGroupStartupTimeoutError,
+    WorkerHealthCheckFailedError,
+)
+from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+
+from elastic_train.cli import main
+from elastic_train.cluster.capacity import shortfall, workers_that_fit
+from elastic_train.cluster.console import FailureReports, is_ray_chatter
+from elastic_train.cluster.failures import describe_failure
+from elastic_train.cluster.runwatch import failure_line
+from elastic_train.config import Config, ConfigError, load_config
+from elastic_train.observe.summary import attempt_counts
+from elastic_train.preflight.packages import check_packages
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_missing_optional_package_is_one_error_naming_its_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # what a missing package looks like to import
+    with pytest.raises(ConfigError, match=r"fault.recovery=in_place needs the package 'torchft'.*"
+                                          r"pip install -e '\.\[ft\]'"):
+        check_packages(load_config(None, ["fault.recovery=in_place"]))
+    code = main(["train", "fault.recovery=in_place", "scaling.min_workers=2",
+                 f"run.storage_path={tmp_path}"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "torchft" in errors[0], errors
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ConfigError, match=r"model.name=hf needs the package 'transformers'"):
+        check_packages(load_config(None, ["model.name=hf", "model.path=/nowhere"]))
+    check_packages(Config())  # the default needs nothing optional
+
+
+def test_room_for_workers_counts_per_node_and_names_the_shortfall():
+    cfg = load_config(None, ["scaling.min_workers=4", "scaling.max_workers=4"])
+    assert workers_that_fit({"CPU": 1.0}, [{"CPU": 2.0}]) == 2
+    assert workers_that_fit({"CPU": 2.0, "GPU": 1.0}, [{"CPU": 3.0, "GPU": 2.0}, {"CPU": 8.0}]) == 1
+    assert shortfall(cfg, [{"CPU": 2.0}]) == ("scaling.min_workers=4 needs 4 workers x 1 CPU; the "
+                                              "cluster has 2 CPU on 1 node, room for 2")
+    assert shortfall(cfg, [{"CPU": 2.0}, {"CPU": 2.0}]) is None
+    slots = load_config(None, ["scaling.min_workers=2", "scaling.max_workers=2",
+                               "scaling.resources_per_worker={slot: 1}"])
+    assert "room for 0" in shortfall(slots, [{"CPU": 16.0}])  # no node has the slot
+
+
+def _died(rank_ip: str) -> RayActorError:
+    return RayActorError(actor_id="ab", error_msg=(
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: RayTrainWorker\n"
+        f"\tpid: 4242\n\tip: {rank_ip}\nThe actor is dead because its worker process has died. "
+        "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a "
+        "connection error code 2. End of file. Some common causes include: (1) the OOM killer"))
+
+
+def test_a_dead_process_is_the_cause_not_the_peer_that_lost_it():
+    peer = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:23725. GLHF!")
+    error = WorkerGroupError("[Rank 0 Error Snippet]:\nTraceback...\nRuntimeError: Connection "
+                             "closed by peer\n[Rank 1 Error Snippet]:\nA worker health check failed.",
+                             {0: peer, 1: WorkerHealthCheckFailedError("health check", _died("10.0.0.7"))})
+    failure = describe_failure(error)
+    assert (failure.kind, failure.rank, failure.node) == ("worker", 1, "10.0.0.7")
+    assert failure.cause == ("its process died (SYSTEM_ERROR: Worker unexpectedly exits with a "
+                             "connection error code 2. End of file.)")
+
+
+def test_a_workers_own_error_comes_with_its_traceback():
+    snippet = 'Traceback (most recent call last):\n  File "m.py", line 3\nValueError: no such layer'
+    error = WorkerGroupError(f"[Rank 0,1 Error Snippet]:\n{snippet}\n",
+                             {0: ValueError("no such layer"), 1: ValueError("no such layer")})
+    failure = describe_failure(error)
+    assert (failure.rank, failure.cause, failure.traceback) == (0, "ValueError: no such layer", snippet)
+    again = describe_failure(WorkerGroupError("", {0: ValueError("no such layer"), 1: ValueError("x")}))
+    assert again.signature == failure.signature  # the same failure, counted as a repeat
+
+
+def test_start_failures_are_told_apart_from_start_timeouts():
+    timeout = describe_failure(ControllerError(WorkerGroupStartupTimeoutError(4)))
+    assert (timeout.kind, timeout.cause) == ("start_timeout", "no room for 4 workers yet")
+    try:
+        try:
+            raise _died("10.0.0.9")
+        except RayActorError as actor_error:
+            raise WorkerGroupStartupFailedError("a worker failed to start") from actor_error
+    except WorkerGroupStartupFailedError as exc:
+        failed = describe_failure(ControllerError(exc))
+    assert failed.kind == "start" and failed.node == "10.0.0.9" and "did not start" in failed.cause
+
+
+def test_one_failure_line_says_who_where_what_and_how_it_goes_on():
+    failure = {"attempt": 0, "rank": 1, "node": "10.0.0.7", "step": 15, "committed_step": 10,
+               "cause": "its process died (SYSTEM_ERROR)", "decision": "retry", "repeats": 1}
+    assert failure_line(failure, {"world_size": 2}) == (
+        "attempt 0: rank 1 on node 10.0.0.7 failed at step 15: its process died (SYSTEM_ERROR); "
+        "resumed from the checkpoint of step 10 with 2 workers")
+    final = {**failure, "decision": "give_up", "repeats": 3, "committed_step": None}
+    assert failure_line(final, None).endswith("(3 times in a row without a step); giving up")
+    assert "restarting from the start (no checkpoint)" in failure_line({**failure, "committed_step":
+                                                                        None}, None)
+
+
+CRASH_CONSOLE = Path(__file__).parent / "data" / "crash_console.txt"
+
+
+def test_rays_failure_reports_stay_off_the_screen():
+    """The forwarded lines a worker's hard crash put on the console (recorded from a real run,
+    Ray 2.60): none is shown, while a worker's own print and warning are."""
+    reports = FailureReports()
+    shown = []
+    for raw in CRASH_CONSOLE.read_text().splitlines():
+        match = re.match(r"^(?:\x1b\[\d+m)?\((\w+)(?: pid=(\d+))?\)(?:\x1b\[0m)? ?(.*)$", raw)
+        if match is None:
+            continue  # our own lines (progress): not forwarded
+        source, line = (match.group(1), match.group(2)), match.group(3)
+        if not (reports.hides(source, line) or is_ray_chatter(line)):
+            shown.append(line)
+    assert shown == ["my model says hello", "UserWarning: the user's own warning"]
+
+
+def test_resumes_are_counted_apart_from_restarts():
+    assert attempt_counts([{"cause": "start"}, {"cause": "restart"}, {"cause": "resume"},
+                           {"cause": "restart"}]) == {"restarts": 2, "resumes": 1}
+    assert attempt_counts([{}, {}, {}]) == {"restarts": 2, "resumes": 0}  # before causes were kept
+    assert attempt_counts([]) == {"restarts": 0, "resumes": 0}
