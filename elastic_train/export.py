@@ -32,8 +32,8 @@ from elastic_train.data.tokenizer import Tokenizer
 from elastic_train.training.checkpoint import (
     CheckpointError,
     is_complete,
+    load_model_weights,
     read_best_pointer,
-    read_shards,
     read_state,
     signature_mismatch,
 )
@@ -113,7 +113,7 @@ def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
     if mismatch:
         hint = "" if model_fn else " (a run of an inline model: pass its model_fn to export)"
         raise ValueError(f"checkpoint '{ckpt}' {mismatch}{hint}")
-    model.load_state_dict(read_shards(ckpt, "model"))
+    load_model_weights(ckpt, model)  # an fsdp run's rows assembled a tensor at a time
     return TrainedModel(model.eval(), cfg, ckpt, run_tokenizer(cfg))
 
 

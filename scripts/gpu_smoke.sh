@@ -49,3 +49,23 @@ print("gpt100m bf16: %.0f tokens/s, MFU %.3f, step %.1f ms, host overhead %.2f m
     statistics.median(r["tokens_per_s"] for r in steady), statistics.median(r["mfu"] for r in steady),
     1e3 * statistics.median(r["step_time_s"] for r in steady), 1e3 * statistics.median(r["host_s"] for r in steady)))
 PY
+# 4. train.sharding=fsdp (issue 29) on NCCL: a bf16 run with a crash and resume (the checkpoint of
+#    each rank's rows resharded on load), then the ~100M GPT beside sharding=none: tokens/s, MFU and
+#    the device's allocated bytes per parameter (fsdp's ddp reduction: fp32 master, bf16 compute).
+.venv/bin/elastic-train train "${COMMON[@]}" run.name=fsdp train.sharding=fsdp train.precision=bf16 \
+    fault.crash_at_step=15
+.venv/bin/elastic-train train "${COMMON[@]}" run.name=gpt100m_fsdp train.sharding=fsdp train.precision=bf16 \
+    train.max_steps=60 checkpoint.every_steps=0 model.n_layer=12 model.d_model=768 model.n_head=12 \
+    data.max_seq_len=1024 data.micro_batch_tokens=16384 data.global_batch_tokens=65536 "log.peak_flops=$PEAK"
+$PY - "$STORE" <<'PY'
+import json, statistics, sys, pathlib
+params = 12 * 12 * 768 ** 2 + (256 + 1024) * 768  # the GPT's matmul weights and embeddings (approx.)
+for run in ("gpt100m", "gpt100m_fsdp"):
+    steps = [json.loads(x) for x in (pathlib.Path(sys.argv[1]) / run / "metrics.jsonl").read_text().splitlines()
+             if '"eval_loss"' not in x][10:]
+    print("%s: %.0f tokens/s, MFU %.3f, %.1f allocated bytes per parameter" % (
+        run, statistics.median(r["tokens_per_s"] for r in steps), statistics.median(r["mfu"] for r in steps),
+        statistics.median(r["cuda_allocated_bytes"] for r in steps) / params))
+s = json.loads((pathlib.Path(sys.argv[1]) / "fsdp" / "summary.json").read_text())
+assert s["status"] == "finished" and s["restarts"] == 1, s
+PY

@@ -7,6 +7,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 import torch
+import torch.distributed as dist
 
 from elastic_train.config import Config
 from elastic_train.data.dataset import inspect_dataset
@@ -82,8 +83,11 @@ def train_locally(cfg: Config, model_fn=None, loss_fn=None,
     env = env_cls(tables.train, extra_columns, tables.eval, folder)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    had_group = dist.is_initialized()
     try:
         train_loop(cfg, env, model_fn, loss_fn)
     finally:
         torch.set_num_threads(threads)
+        if dist.is_initialized() and not had_group:  # sharding's one-rank group (sharding.py)
+            dist.destroy_process_group()
     return env

@@ -39,6 +39,12 @@ from elastic_train.training.optim import (
     training_bytes_per_param,
 )
 from elastic_train.training.reduce import ExactGradSum
+from elastic_train.training.sharding import (
+    ShardedReduce,
+    load_sharded_checkpoint,
+    shard_model,
+    sharded_bytes_per_param,
+)
 from elastic_train.training.step import StepSetup, TrainState
 
 
@@ -54,6 +60,10 @@ def check_fits_device(model: torch.nn.Module, cfg: Config, device: torch.device,
     if device.type != "cuda":
         return
     per_param = training_bytes_per_param(cfg.optim.name, grad_reduce, cfg.train.grad_compression)
+    if cfg.train.sharding == "fsdp":
+        dist = torch.distributed
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        per_param = sharded_bytes_per_param(grad_reduce, world_size)
     needed = count_parameters(model) * per_param
     total = torch.cuda.get_device_properties(device).total_memory
     if needed > total:
@@ -95,7 +105,11 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     exact = choice.chosen == "exact"
     check_fits_device(raw_model, cfg, env.device, choice.chosen)
     loss_module = LossModule(raw_model, loss_fn)
-    model = env.prepare_model(loss_module, None if exact else ddp_kwargs(cfg.train))
+    sharded = None
+    if cfg.train.sharding == "fsdp":
+        model, sharded = loss_module, _shard(loss_module, raw_model, cfg, env.device, exact)
+    else:
+        model = env.prepare_model(loss_module, None if exact else ddp_kwargs(cfg.train))
     powersgd = register_comm_hook(model, cfg.train)
     if env.world_rank == 0:
         compression = cfg.train.grad_compression if isinstance(model, DistributedDataParallel) else "none"
@@ -104,7 +118,9 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     optimizer = build_optimizer(raw_model, cfg.optim, cfg.scaling.use_gpu)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16) if cfg.train.precision == "fp16" else None
     state = TrainState()
-    if ckpt_dir is not None:
+    if ckpt_dir is not None and sharded is not None:  # this rank's rows, from any world size
+        state = TrainState(**load_sharded_checkpoint(ckpt_dir, raw_model, optimizer))
+    elif ckpt_dir is not None:
         state = TrainState(**load_checkpoint(ckpt_dir, raw_model, optimizer, scaler))
         check_state_device(optimizer, env.device)
     state.grad_reduce = choice.chosen
@@ -112,7 +128,7 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
         restore_powersgd(powersgd, env, ckpt_dir, state.step)
     env.startup["restored"] = time.time()
     reducer = None
-    if exact:
+    if exact and sharded is None:
         ExactGradSum.broadcast_parameters(raw_model)
         reducer = ExactGradSum(raw_model, env.device, extra=reduce_extra)
     if cfg.train.compile:
@@ -121,8 +137,17 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
         device=env.device, world_size=env.world_size, precision=cfg.train.precision,
         grad_clip=cfg.train.grad_clip, seed=cfg.train.seed, scaler=scaler, exact=reducer,
         count_targets=loss_fn is not None, pad_id=cfg.data.pad_id or 0,
-        extra_columns=env.extra_columns)
+        extra_columns=env.extra_columns, sharded=sharded)
     return Training(model, raw_model, loss_module, optimizer, setup, state, powersgd=powersgd)
+
+
+def _shard(loss_module: LossModule, raw_model: torch.nn.Module, cfg: Config, device: torch.device,
+           exact: bool) -> ShardedReduce:
+    """train.sharding=fsdp: FSDP2 in place of DDP (sharding.py); the exact reduction is FSDP's
+    float64 reduce-scatter, so no ExactGradSum buffer."""
+    return shard_model(loss_module, raw_model, exact=exact, precision=cfg.train.precision,
+                       reshard_after_forward=cfg.train.reshard_after_forward,
+                       shard_modules=cfg.model.shard_modules, device=device)
 
 
 def resolve_reduce(cfg: Config, env: WorkerEnv, ckpt_dir: str | None) -> ReduceChoice:

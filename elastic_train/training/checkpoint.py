@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
-from elastic_train.training.shardfiles import read_sharded, sharding_of
+from elastic_train.training.shardfiles import ShardedFiles, read_sharded, sharding_of
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2  # 2: model and optimizer state in shards, one per rank; 1 (one file) still read
@@ -237,6 +237,16 @@ def read_shards(directory: str | Path, name: str) -> dict[str, Any]:
             "param_groups": parts[0]["param_groups"]}
 
 
+def load_model_weights(directory: str | Path, model: torch.nn.Module) -> None:
+    """The weights of a complete checkpoint into `model` (unsharded, any dtype): an fsdp one a
+    tensor at a time (`ShardedFiles.copy_into`: no second copy of the model), others whole."""
+    state = json.loads((Path(directory) / "state.json").read_text())
+    if sharding_of(state) == "fsdp":
+        ShardedFiles(directory, "model", state).copy_into(model)
+    else:
+        model.load_state_dict(read_shards(directory, "model"))
+
+
 def read_state(directory: str | Path) -> dict[str, Any]:
     """The counters, world size and config of a complete checkpoint."""
     verify_checkpoint(directory)
@@ -273,7 +283,7 @@ def load_checkpoint(
     directory = Path(directory)
     state = read_state(directory)
     check_compatible(directory, state, model)
-    model.load_state_dict(read_shards(directory, "model"))  # copy_ casts fsdp's float64 master
+    load_model_weights(directory, model)  # copy_ casts fsdp's float64 master to the model's dtype
     optim = read_shards(directory, "optimizer")
     if sharding_of(state) == "fsdp":  # keyed by parameter name: the optimizer's own indices
         names = _parameter_names(model, optimizer)

@@ -28,7 +28,7 @@ from elastic_train.training.losses import LossModule
 from elastic_train.training.model import (
     input_embedding_rows,
 )
-from elastic_train.training.step import StepSetup, autocast_context
+from elastic_train.training.step import StepSetup, autocast_context, dry_rank_batch
 
 
 @dataclass
@@ -48,6 +48,8 @@ def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, par
     `max_batches` of each: the same rows in the same micro-batches at any world size. Loss sums
     are added in float64 and all-reduced once; a float64 sum of fp32 losses is exact, so the
     result is the same to the bit at any world size (with the same weights: exact reduction).
+    Sharded, a forward gathers each block from every rank: each rank runs as many forwards as
+    the rank with the most micro-batches (dry ones after its own), until no rank has any.
     """
     t0 = time.perf_counter()
     total = torch.zeros((), dtype=torch.float64, device=setup.device)
@@ -57,8 +59,17 @@ def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, par
     try:
         with torch.no_grad():
             for j, (micro_batches, _) in enumerate(steps):
-                if not micro_batches or (max_batches is not None and j >= max_batches):
+                if max_batches is not None and j >= max_batches:
                     break
+                sharded = setup.sharded
+                rounds = len(micro_batches) if sharded is None else sharded.rounds(
+                    len(micro_batches), everywhere=True)
+                if not rounds:
+                    break
+                for _ in range(rounds - len(micro_batches)):
+                    with autocast_context(setup.precision, setup.device):
+                        loss_module(dry_rank_batch(None, setup.pad_id, setup.extra_columns)
+                                    .to_batch(setup.device))
                 for mb in micro_batches:
                     with autocast_context(setup.precision, setup.device):
                         loss_sum, n_targets = loss_module(mb.to_batch(setup.device))

@@ -52,6 +52,7 @@ from elastic_train.training.optim import (
     lr_at,
     optimizer_state_bytes,
 )
+from elastic_train.training.sharding import sharded_snapshot
 from elastic_train.training.step import TrainState, train_step
 
 
@@ -233,9 +234,14 @@ def save(env: WorkerEnv, cfg: Config, t: Training, final: bool, sync: bool = Fal
     if t.powersgd is not None:
         comm_hook = {"kind": "powersgd", "world_size": env.world_size,
                      "state": powersgd_state_dict(t.powersgd)}
-    snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),
-                    env.world_size, env.provenance, shard=env.world_rank, shards=env.world_size,
-                    comm_hook=comm_hook)
+    if t.setup.sharded is not None:  # each rank holds, and writes, only its rows (sharding.py)
+        snap = sharded_snapshot(t.raw_model, t.optimizer, asdict(state), cfg.to_dict(),
+                                shard=env.world_rank, shards=env.world_size,
+                                provenance=env.provenance)
+    else:
+        snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),
+                        env.world_size, env.provenance, shard=env.world_rank, shards=env.world_size,
+                        comm_hook=comm_hook)
     env.save_checkpoint(snap, state.step, final=final or sync)
     blocked_s = time.perf_counter() - t0
     if env.world_rank == 0:

@@ -89,6 +89,17 @@ class ShardedFiles:
         """Every tensor of the model, whole: what an unsharded model or `export` loads."""
         return {name: self.full(name) for name in self.file(0)}
 
+    def copy_into(self, model: torch.nn.Module) -> None:
+        """Copy every tensor into `model`'s own (cast to its dtype), one tensor at a time: the
+        model and one assembled tensor are all there is in memory, never a second model."""
+        targets = model.state_dict()
+        if set(targets) != set(self.file(0)):
+            raise KeyError(f"checkpoint {self.directory}: tensors differ from the model's: "
+                           f"{sorted(set(targets) ^ set(self.file(0)))[:4]}")
+        with torch.no_grad():
+            for name, t in targets.items():
+                t.copy_(self.full(name))
+
     def optimizer_state(self) -> dict[str, Any]:
         """{"state": {parameter name: {key: whole tensor}}, "param_groups": [...]}."""
         part = self.file(0)

@@ -122,6 +122,7 @@ def shard_model(root: nn.Module, model: nn.Module, *, exact: bool, precision: st
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum: the loss is scaled by 1/global targets
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     return ShardedReduce(root, model, exact, device)
 
 

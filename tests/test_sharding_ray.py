@@ -1,0 +1,72 @@
+"""train.sharding=fsdp on a real local Ray cluster: a crash and resume, and a restart at another
+world size, each the same to the bit as a run that was never interrupted (checkpoints of each
+rank's rows, resharded on load: sharding.py, shardfiles.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_models import bpe_dataset, llama_folder  # noqa: F401 - fixtures
+from test_train_ray import assert_same_training, run
+
+from elastic_train.api import TrainingFailed
+
+pytestmark = pytest.mark.ray
+
+FSDP = ["train.sharding=fsdp", "train.max_steps=14"]
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, small_dataset, tmp_path_factory):
+    """2 fsdp workers, never interrupted."""
+    result = run(tmp_path_factory.mktemp("ref"), small_dataset, "ref", *FSDP)
+    assert result.summary["status"] == "finished" and result.summary["world_sizes"] == [2]
+    return result
+
+
+def test_fsdp_crash_and_resume_is_the_uninterrupted_run_to_the_bit(reference, small_dataset, tmp_path):
+    resumed = run(tmp_path, small_dataset, "crash", *FSDP, "fault.crash_at_step=10",
+                  "fault.crash_rank=1")
+    assert resumed.summary["restarts"] == 1 and resumed.summary["world_sizes"] == [2, 2]
+    assert_same_training(resumed, reference)
+
+
+def test_fsdp_restart_at_one_worker_reshards_and_follows_the_same_curve(reference, small_dataset,
+                                                                         tmp_path):
+    with pytest.raises(TrainingFailed):
+        run(tmp_path, small_dataset, "resize", *FSDP, "fault.crash_at_step=10",
+            "scaling.max_failures=0")
+    resized = run(tmp_path, small_dataset, "resize", *FSDP, "fault.crash_at_step=10",
+                  "scaling.min_workers=1", "scaling.max_workers=1")
+    assert resized.summary["world_sizes"] == [2, 1]
+    assert_same_training(resized, reference)
+
+
+def test_an_fsdp_llama_exports_whole_and_loads_with_from_pretrained(ray_cluster, bpe_dataset,  # noqa: F811
+                                                                      llama_folder, tmp_path):  # noqa: F811
+    """A tiny Llama (decoder layers sharded as blocks, tied embeddings in the root) trained by 2
+    fsdp workers; export assembles its rows into one model that transformers loads, with the
+    same loss as the run's own model."""
+    from test_models import SMALL
+    from transformers import AutoModelForCausalLM
+
+    from elastic_train import load_config
+    from elastic_train.api import train
+    from elastic_train.data.batches import make_batch
+    from elastic_train.export import export, load_trained
+    from elastic_train.training.losses import causal_lm_loss
+
+    cfg = load_config(None, [*SMALL, "model.name=hf", f"model.path={llama_folder}",
+                             f"data.path={bpe_dataset}", f"run.storage_path={tmp_path}",
+                             "run.name=llama", "train.sharding=fsdp", "train.max_steps=6"])
+    result = train(cfg)
+    assert result.summary["status"] == "finished" and result.summary["world_sizes"] == [2]
+    exported = export(result.run_dir, tmp_path / "export")
+    model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    trained = load_trained(result.run_dir)
+    ids = torch.arange(2, 40).unsqueeze(0)
+    batch = make_batch(ids, torch.tensor([ids.shape[1]]))
+    with torch.no_grad():
+        assert torch.equal(causal_lm_loss(model, batch)[0], causal_lm_loss(trained.model, batch)[0])
+    untrained = AutoModelForCausalLM.from_config(model.config)  # the export holds trained weights
+    assert not torch.equal(untrained.lm_head.weight, model.lm_head.weight)
