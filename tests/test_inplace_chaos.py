@@ -20,6 +20,7 @@ EPOCHS = 8  # ~25 s of steps unpaced; paced by fault.step_pause_s to span the sc
 IN_PLACE = ["fault.recovery=in_place", f"train.epochs={EPOCHS}", "train.max_steps=100000",
             "checkpoint.every_steps=10", "scaling.max_failures=-1"]
 PAUSE_S = 0.3  # fault.step_pause_s of the killed runs: the numbers trained are unchanged by it
+SCHEDULE_PAUSE_S = 0.8  # the scheduled run's: its ~175 steps span the two minutes of kills
 MAX_GAP_S = 10.0  # the longest the survivors may go without a committed step (issue 32)
 SLOW_TEST_S = 900  # a loaded machine: each run minutes
 
@@ -58,7 +59,8 @@ def test_youngest_replica_killed_every_20_s_costs_no_step_and_no_timeout(referen
     killer = threading.Thread(target=schedule.run, daemon=True)
     killer.start()
     try:
-        result = run(tmp_path, small_dataset, "chaos", *IN_PLACE, f"fault.step_pause_s={PAUSE_S}")
+        result = run(tmp_path, small_dataset, "chaos", *IN_PLACE,
+                     f"fault.step_pause_s={SCHEDULE_PAUSE_S}")
     finally:
         schedule.stop()
         killer.join()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,8 @@ class RunLog:
         self.finished_step: int | None = None  # ... and where its training ended
         self.replacements = 0  # ... and how many lost workers were replaced in place
         self.replicas: dict[tuple[int, int], tuple[str, float]] = {}  # ... (rank, pid): (node, start)
-        self.last_logged: dict[str, tuple[int, int]] = {}  # ... "step"/"eval": its (attempt, step)
+        self.logged: dict[str, set[tuple[int, int]]] = {}  # ... "step"/"eval": (attempt, step) kept
+        self._logged_lock = threading.Lock()  # ... taken by up to max_concurrency calls at once
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
         # this driver's session: its first attempt resumes the run if an earlier driver's began one
@@ -214,7 +216,10 @@ class RunLog:
         committed steps only go up), so a replica lost right after the step leaves no gap."""
         if not self._first("step", record):
             return
+        latest = self.latest
         self.log_step(record)
+        if latest is not None and (latest["attempt"], latest["step"]) > (record["attempt"], record["step"]):
+            self.latest = latest  # a step's record taken after the next one's
         if line is not None:
             self.folder.append(f"consumed/attempt{record['attempt']:03d}-steps.jsonl", [json.dumps(line)])
 
@@ -227,13 +232,20 @@ class RunLog:
         self._log_metrics(record)
 
     def _first(self, kind: str, record: dict[str, Any]) -> bool:
-        """True for the first record of its (attempt, step) of this kind: within an attempt the
-        steps only go up, so anything not past the last one logged was logged."""
+        """True for the first record of its (attempt, step) of this kind. The keys kept, not the
+        last one: this actor runs up to four calls at once, so a replica's record of step s+1 may
+        be taken before every record of step s, which a high-water mark then dropped (step 159
+        missing from an uninterrupted run's metrics.jsonl and consumed/, under load). The oldest
+        half is forgotten past 4096 keys: no record arrives thousands of steps late."""
         key = (record["attempt"], record["step"])
-        if key <= self.last_logged.get(kind, (-1, -1)):
-            return False
-        self.last_logged[kind] = key
-        return True
+        with self._logged_lock:
+            kept = self.logged.setdefault(kind, set())
+            if key in kept:
+                return False
+            kept.add(key)
+            if len(kept) > 4096:
+                kept.difference_update(sorted(kept)[:2048])
+            return True
 
     def _log_metrics(self, record: dict[str, Any]) -> None:
         self.folder.append("metrics.jsonl", [json.dumps(record)])
