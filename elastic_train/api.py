@@ -142,6 +142,7 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
             summary["status"], summary["reason"] = "stopped", f"stopped by {outcome.stopped}"
         summary["provenance"] = record
         ray.get(runlog.write_file.remote("summary.json", json.dumps(summary, indent=2)))
+        ray.get(runlog.finish_tracking.remote(summary))  # log.mlflow / log.wandb: bounded wait
         ray.get(runlog.end_attempt.remote({"cause": summary["status"]}))
         ray.get(runlog.flush.remote())
         if outcome.stopped:

@@ -11,6 +11,7 @@ import socket
 import sys
 import tempfile
 import time
+from typing import Any
 
 import ray
 import ray.data
@@ -267,7 +268,17 @@ def start_runlog(cfg: Config):
     node_id = ray.get_runtime_context().get_node_id()
     return RunLog.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-    ).remote(run_uri(cfg), tensorboard=cfg.log.tensorboard)
+    ).remote(run_uri(cfg), tensorboard=cfg.log.tensorboard, tracking=tracking_settings(cfg))
+
+
+def tracking_settings(cfg: Config) -> dict[str, Any] | None:
+    """What the RunLog's tracker needs (observe/tracking.py), None without log.mlflow/log.wandb;
+    the driver's MLFLOW_* and WANDB_* variables go with it (the actor may run in another env)."""
+    if not (cfg.log.mlflow or cfg.log.wandb):
+        return None
+    env = {k: v for k, v in os.environ.items() if k.startswith(("MLFLOW_", "WANDB_"))}
+    return {"mlflow": cfg.log.mlflow, "wandb": cfg.log.wandb, "run_name": cfg.run.name,
+            "params": cfg.to_dict(), "env": env}
 
 
 def _changed_keys(old_yaml: str, cfg: Config) -> str:

@@ -11,8 +11,10 @@ staging copy and uploads it on `flush`. It also exports the run's figures throug
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -26,6 +28,7 @@ from elastic_train.cluster.raycompat import committed_step
 from elastic_train.cluster.raymetrics import RunMetrics
 from elastic_train.observe.runfolder import split_uri
 from elastic_train.observe.tb import TensorBoardWriter
+from elastic_train.observe.tracking import Tracker, build_backends
 from elastic_train.recovery.fence import end_process
 
 
@@ -81,9 +84,11 @@ class RunFolder:
 class RunLog:
     """One per run; see the module docstring."""
 
-    def __init__(self, run_uri: str, flush_interval_s: float = 10.0, tensorboard: bool = False) -> None:
+    def __init__(self, run_uri: str, flush_interval_s: float = 10.0, tensorboard: bool = False,
+                 tracking: dict[str, Any] | None = None) -> None:
         self.folder = RunFolder(run_uri)
         self.tb = TensorBoardWriter(self.folder.local) if tensorboard else None
+        self.tracker = self._start_tracker(tracking) if tracking else None
         self.attempts: list[dict] = self.folder.read_json("attempts.json", [])
         self.faults: dict[str, bool] = self.folder.read_json("faults.json", {})
         self.latest: dict[str, Any] | None = None
@@ -117,6 +122,8 @@ class RunLog:
                               "start_time": time.time(), "cause": cause, "session": self.session})
         self.folder.write("attempts.json", json.dumps(self.attempts))
         self.metrics.on_attempt(len(self.attempts) - 1, world_size)
+        if self.tracker is not None:
+            self.tracker.attempt(len(self.attempts) - 1, world_size)
         return len(self.attempts) - 1
 
     def begin_group_attempt(self, token: str, world_size: int) -> int:
@@ -209,6 +216,8 @@ class RunLog:
         self.latest = record
         self._log_metrics(record)
         self.metrics.on_step(record)
+        if self.tracker is not None:
+            self.tracker.add("step", record)
 
     def log_committed(self, record: dict[str, Any], line: dict[str, Any] | None) -> None:
         """In-place recovery: every participant of a committed step sends its record and, with
@@ -230,6 +239,25 @@ class RunLog:
             return
         self.latest_eval = record
         self._log_metrics(record)
+        if self.tracker is not None:
+            self.tracker.add("eval", record)
+
+    def _start_tracker(self, settings: dict[str, Any]) -> Tracker:
+        """MLflow / W&B (observe/tracking.py), fed from here: the one place that sees every record."""
+        os.environ.update(settings["env"])  # the driver's MLFLOW_* / WANDB_* (WANDB_MODE=offline)
+        make = functools.partial(build_backends, settings["mlflow"], settings["wandb"], self.folder.local)
+        return Tracker(make, self.folder.local, settings["run_name"], settings["params"],
+                       committed=lambda: committed_step(self.folder.fs, self.folder.remote_path),
+                       warn=self._tracking_warning)
+
+    def _tracking_warning(self, message: str) -> None:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+        self.log_event({"event": "tracking_warning", "message": message})
+
+    def finish_tracking(self, summary: dict[str, Any]) -> bool:
+        """The run ended (summary.json's content): the tracked runs get what is left, the summary
+        and the plots, within a bounded wait. True if they got all of it (or there are none)."""
+        return True if self.tracker is None else self.tracker.finish(summary)
 
     def _first(self, kind: str, record: dict[str, Any]) -> bool:
         """True for the first record of its (attempt, step) of this kind. The keys kept, not the

@@ -225,6 +225,11 @@ class LogConfig:
     progress: str = "auto"  # auto | bar | lines | none
     tensorboard: bool = False
     peak_flops: float = 1e12  # per worker, for the MFU estimate
+    # An MLflow tracking URI (file:/path, http://host:5000; sqlite:///db with the full mlflow): the
+    # run folder's figures, logged from the driver's node; a server that is down costs a warning
+    mlflow: str | None = None
+    # A Weights & Biases project (WANDB_MODE=offline writes the run under the run folder's wandb/)
+    wandb: str | None = None
 
 
 @dataclass

@@ -39,6 +39,10 @@ def needed_packages(cfg: Config) -> list[Need]:
         needs.append(Need("optim.name=adamw8bit", "bitsandbytes", "pip install bitsandbytes"))
     if cfg.log.tensorboard:
         needs.append(Need("log.tensorboard=true", "tensorboard", "pip install tensorboard"))
+    if cfg.log.mlflow:
+        needs.append(Need("log.mlflow", "mlflow", "pip install -e '.[track]'"))
+    if cfg.log.wandb:
+        needs.append(Need("log.wandb", "wandb", "pip install -e '.[track]'"))
     return needs
 
 
