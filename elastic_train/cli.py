@@ -47,7 +47,8 @@ def _prepare(args: argparse.Namespace) -> int:
     run = prepare_ray if engine == "ray" else prepare  # the same shards either way
     stats = run(args.inputs, args.output, max_seq_len=args.max_seq_len, seed=args.seed,
                 rows_per_block=args.rows_per_block, eval_fraction=args.eval_fraction,
-                tokenizer=args.tokenizer, text_field=args.text_field)
+                tokenizer=args.tokenizer, text_field=args.text_field,
+                prompt_field=args.prompt_field, response_field=args.response_field)
     if engine == "local":  # prepare_ray prints its own final line
         print(summary_line(stats, time.perf_counter() - started), file=sys.stderr)
     print(json.dumps(stats))
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: UTF-8 bytes)")
     p.add_argument("--text-field", default="text",
                    help="the text field of JSONL records and column of Parquet files")
+    p.add_argument("--prompt-field", default="prompt",
+                   help="with --response-field: records holding both are fine-tuning examples, "
+                        "trained on the response only (a loss_mask column); records with a "
+                        "'messages' list are rendered with the tokenizer's chat template")
+    p.add_argument("--response-field", default="response", help="see --prompt-field")
     p.add_argument("--engine", choices=("auto", "ray", "local"), default="auto",
                    help="ray: a Ray Data pipeline on every CPU of the cluster (RAY_ADDRESS's, else a "
                         "local one); local: one process; auto: ray when RAY_ADDRESS is set or the "

@@ -83,12 +83,13 @@ from elastic_train.data.prepare import (
     _check_output_free,
     folder_stats,
 )
+from elastic_train.data.sft import RecordFields, SftCounts
 from elastic_train.data.sources import (
     PathLike,
     collect_input_files,
     gather_rows,
-    iter_jsonl_texts,
-    iter_parquet_texts,
+    iter_jsonl_records,
+    iter_parquet_records,
     no_text_message,
     warn_skipped,
 )
@@ -116,6 +117,7 @@ def _assign(table: pa.Table, *, first_rows: np.ndarray, first_tokens: np.ndarray
     import ray
 
     ids_by_row = ray.get(ids_ref)
+    table = table.filter(pc.greater_equal(table.column("row"), 0))  # not a piece's counts row
     pieces = table.column("piece").to_numpy()
     ids = ids_by_row[first_rows[pieces] + table.column("row").to_numpy()]
     offsets = first_tokens[pieces] + table.column("offset").to_numpy()
@@ -129,10 +131,26 @@ def _assign(table: pa.Table, *, first_rows: np.ndarray, first_tokens: np.ndarray
             .append_column("shard", pa.array(shards)))
 
 
+def _mask_column(tokens: pa.ListArray, masks: pa.ChunkedArray) -> pa.ListArray:
+    """The `loss_mask` column of the single-process prepare: each row's mask, all 1 on a row
+    that has none (plain text in a data set that also holds fine-tuning examples)."""
+    masks = masks.combine_chunks()
+    lengths = pc.list_value_length(tokens).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.ones(int(offsets[-1]), dtype=np.int8)
+    valid = np.flatnonzero(masks.is_valid().to_numpy(zero_copy_only=False))
+    if len(valid):
+        positions = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in valid])
+        flat[positions] = pc.list_flatten(masks.take(pa.array(valid))).to_numpy()
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+
+
 def _write_shard(group: pa.Table, *, output: str, names: list[str], token_type: str,
-                 rows_per_block: int, train_shards: int) -> pa.Table:
+                 rows_per_block: int, train_shards: int, with_mask: bool) -> pa.Table:
     """Write one shard's rows, sorted by id, as `part-NNNNN.parquet` (in `eval/` for a held-out
-    shard); one summary row back: shard, rows, tokens, largest token id."""
+    shard; with a `loss_mask` column when `with_mask`); one summary row back: shard, rows,
+    tokens, largest token id."""
     group = group.sort_by("id")
     shard = int(group.column("shard")[0].as_py())
     tokens = group.column("tokens").combine_chunks()
@@ -145,6 +163,8 @@ def _write_shard(group: pa.Table, *, output: str, names: list[str], token_type: 
         "offset": group.column("offset").cast(pa.int64()),
         "doc": group.column("doc").cast(pa.int64()),
     })
+    if with_mask:
+        table = table.append_column("loss_mask", _mask_column(tokens, group.column("loss_mask")))
     fs, root = _resolve_dataset_path(output)
     folder, number = (root, shard) if shard < train_shards else (
         f"{root}/{EVAL_DIR}", shard - train_shards)
@@ -216,17 +236,17 @@ def _task_groups(pieces: list[dict], num_cpus: int) -> list[dict]:
     return [{"pieces": json.dumps(group)} for group in groups]
 
 
-def _local_error(file: Path, tokenizer: Tokenizer, max_seq_len: int, text_field: str
+def _local_error(file: Path, tokenizer: Tokenizer, max_seq_len: int, text_field: RecordFields
                  ) -> ValueError | None:
     """The ValueError the single-process prepare raises for `file`, found by reading it here
     (only once a task has failed on it: its message names the file as given and the line)."""
     suffix = file.suffix.lower()
     try:
         if suffix == ".jsonl":
-            for _ in iter_jsonl_texts(file, text_field):
+            for _ in iter_jsonl_records(file, text_field):
                 pass
         elif suffix == ".parquet":
-            for _ in iter_parquet_texts(file, text_field):
+            for _ in iter_parquet_records(file, text_field):
                 pass
         else:
             gather_rows([file], tokenizer, max_seq_len, text_field)
@@ -316,10 +336,11 @@ def _data_context(progress: bool) -> Iterator[None]:
 
 
 def _tokenize_all(files: list[Path], tokenizer: Tokenizer, cpus: int, max_seq_len: int,
-                  text_field: str) -> tuple:
+                  text_field: RecordFields) -> tuple:
     """Stages 1 and 2: the pieces, their materialized rows, and per piece its rows, tokens,
-    largest token id (arrays indexed by piece) and rows per document (a list of arrays). Raises
-    the first bad file's ValueError."""
+    largest token id (arrays indexed by piece) and rows per document (a list of arrays), then
+    the fine-tuning counts and whether any row has a loss mask. Raises the first bad file's
+    ValueError."""
     import ray
 
     pieces = _list_pieces(files)
@@ -336,7 +357,10 @@ def _tokenize_all(files: list[Path], tokenizer: Tokenizer, cpus: int, max_seq_le
         raise _local_error(file, tokenizer, max_seq_len, text_field) or ValueError(errors[0][1])
     rows, tokens, top = (np.zeros(len(pieces), dtype=np.int64) for _ in range(3))
     doc_rows = [np.zeros(0, dtype=np.int64) for _ in pieces]
+    sft, masked = SftCounts(), False
     for record in summary:
+        sft.add(SftCounts(record["examples"], record["truncated"], record["dropped"]))
+        masked = masked or record["masked"] > 0
         piece, first, counts = record["piece"], record["first_doc"], record["doc_rows"]
         rows[piece] += record["rows"]
         tokens[piece] += record["tokens"]
@@ -346,13 +370,13 @@ def _tokenize_all(files: list[Path], tokenizer: Tokenizer, cpus: int, max_seq_le
         doc_rows[piece][first:first + len(counts)] += np.asarray(counts, dtype=np.int64)
     if any(int(counts.sum()) != rows[piece] for piece, counts in enumerate(doc_rows)):
         raise RuntimeError("the tokenize stage's rows per document do not add up to its rows")
-    return pieces, tokenized, rows, tokens, top, doc_rows
+    return pieces, tokenized, rows, tokens, top, doc_rows, sft, masked
 
 
 def _write_all(tokenized, pieces: list[dict], rows: np.ndarray, tokens: np.ndarray,
                doc_rows: list[np.ndarray], held: np.ndarray, *, cpus: int, seed: int,
                rows_per_shard: int, rows_per_block: int, target: str, names: list[str],
-               token_type: np.dtype) -> tuple[int, list[dict]]:
+               token_type: np.dtype, with_mask: bool) -> tuple[int, list[dict]]:
     """Stages 3 and 4: ids from the single-process split and permutations (`heldout.row_ids`),
     then one task per shard writes it. Returns the number of training rows and a record per
     shard written (shard, rows, tokens, max_token), training shards first."""
@@ -373,7 +397,7 @@ def _write_all(tokenized, pieces: list[dict], rows: np.ndarray, tokens: np.ndarr
     train_shards = -(-train_rows // rows_per_shard)
     write = {"output": target, "names": [names[piece["file"]] for piece in pieces],
              "token_type": token_type.name, "rows_per_block": rows_per_block,
-             "train_shards": train_shards}
+             "train_shards": train_shards, "with_mask": with_mask}
     expected = train_shards + -(-(len(ids) - train_rows) // rows_per_shard)
     written = (tokenized.map_batches(_assign, batch_size=None, batch_format="pyarrow", fn_kwargs=assign)
                .groupby("shard", num_partitions=min(expected, TASKS_PER_CPU * cpus))
@@ -414,6 +438,8 @@ def prepare_ray(
     tokenizer: Tokenizer | PathLike | None = None,
     text_field: str = "text",
     eval_fraction: float = 0.0,
+    prompt_field: str = "prompt",
+    response_field: str = "response",
     num_cpus: int | None = None,
     progress: bool = True,
 ) -> dict:
@@ -438,8 +464,9 @@ def prepare_ray(
         raise ValueError(no_text)
     started = time.perf_counter()
     with _ray_cluster(num_cpus) as cpus, _data_context(progress):
-        pieces, tokenized, rows, tokens, top, doc_rows = _tokenize_all(
-            files, tokenizer, cpus, max_seq_len, text_field)
+        fields = RecordFields(text=text_field, prompt=prompt_field, response=response_field)
+        pieces, tokenized, rows, tokens, top, doc_rows, sft, masked = _tokenize_all(
+            files, tokenizer, cpus, max_seq_len, fields)
         if rows.sum() == 0:
             raise ValueError(no_text)
         warn_skipped(skipped)
@@ -449,9 +476,10 @@ def prepare_ray(
         train_rows, written = _write_all(
             tokenized, pieces, rows, tokens, doc_rows, held, cpus=cpus, seed=seed,
             rows_per_shard=rows_per_shard, rows_per_block=rows_per_block, target=target,
-            names=[str(file) for file in files], token_type=token_type)
+            names=[str(file) for file in files], token_type=token_type, with_mask=masked)
     common = {"max_seq_len": max_seq_len, "source_files": len(files), "skipped": len(skipped),
-              "tokenizer": tokenizer, "token_type": token_type}
+              "tokenizer": tokenizer, "token_type": token_type,
+              "sft": sft.record() if sft.examples else None}
     train_shards = -(-train_rows // rows_per_shard)
     stats = {**folder_stats(_side_counts(written[:train_shards]), **common), "engine": "ray"}
     if held.any():

@@ -44,7 +44,11 @@ class MicroBatch:
 
     @property
     def targets(self) -> int:
-        """Next-token targets: every real token but the first of each row."""
+        """Next-token targets: every real token but the first of each row; with a `loss_mask`
+        column (fine-tuning data), only the tokens it marks (the answers), never a row's first."""
+        mask = self.extras.get(LOSS_MASK)
+        if mask is not None and mask.ndim == 2:
+            return int((mask[:, 1:] != 0).sum())
         return int(np.maximum(self.lengths - 1, 0).sum())
 
     def to_batch(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -54,6 +58,9 @@ class MicroBatch:
                            torch.from_numpy(self.lengths).to(device, non_blocking=True))
         for name, values in self.extras.items():
             batch[name] = torch.from_numpy(values).to(device, non_blocking=True)
+        mask = batch.get(LOSS_MASK)
+        if mask is not None and mask.shape == batch["labels"].shape:  # answers only
+            batch["labels"] = torch.where(mask != 0, batch["labels"], IGNORE_INDEX)
         return batch
 
 
@@ -174,6 +181,9 @@ class Prefetcher:
 
 
 IGNORE_INDEX = -100
+# The column of fine-tuning data that marks target tokens (prepare's `sft.py`): 1 on a target,
+# 0 on a prompt token. `labels` hold IGNORE_INDEX where it is 0, and only its 1s count as targets.
+LOSS_MASK = "loss_mask"
 
 
 def make_batch(tokens: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -19,12 +19,17 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elastic_train.data.dataset import INT16_MAX
+from elastic_train.data.sft import RecordFields, as_fields
 from elastic_train.data.sources import (
     PARQUET_BATCH_ROWS,
-    _jsonl_text,
+    Gathered,
+    Item,
+    _jsonl_item,
     _record_documents,
     _RowBuffer,
     gather_rows,
+    parquet_batch_items,
+    parquet_columns,
 )
 from elastic_train.data.tokenizer import Tokenizer
 
@@ -36,10 +41,14 @@ def tokenized_schema(token_type: str) -> pa.Schema:
     store of int32; an id above the vocabulary is then an error, where the single-process version
     would widen). A piece that cannot be read gives one row with row = -1 and its ValueError's
     message: Ray does not bring a task's exception back as an object, and this way the error
-    reported is that of the first bad file in input order, as with the single-process version."""
+    reported is that of the first bad file in input order, as with the single-process version.
+    `loss_mask` is null on rows that have none; a piece that read fine-tuning examples gives one
+    more row, row = -2, that carries their counts (`examples`, `truncated`, `dropped`)."""
     return pa.schema([("piece", pa.int32()), ("row", pa.int64()),
                       ("tokens", pa.list_(pa.from_numpy_dtype(np.dtype(token_type)))),
-                      ("offset", pa.int64()), ("doc", pa.int64()), ("error", pa.string())])
+                      ("offset", pa.int64()), ("doc", pa.int64()), ("error", pa.string()),
+                      ("loss_mask", pa.list_(pa.int8())), ("examples", pa.int64()),
+                      ("truncated", pa.int64()), ("dropped", pa.int64())])
 
 
 def token_type_for(widest: int) -> np.dtype:
@@ -55,18 +64,19 @@ def _cached_tokenizer(blob: bytes) -> Tokenizer:
     return _tokenizer_cache[blob]
 
 
-def _slice_texts(piece: dict, text_field: str) -> Iterator[str]:
-    """The non-empty texts of a JSONL piece (whole lines, read as `iter_jsonl_texts` reads them)
-    or a Parquet piece (whole row groups, as `iter_parquet_texts`)."""
+def _slice_items(piece: dict, fields: RecordFields) -> Iterator[Item]:
+    """The non-empty texts and examples of a JSONL piece (whole lines, read as
+    `iter_jsonl_records` reads them) or a Parquet piece (whole row groups, as
+    `iter_parquet_records`)."""
     if piece["kind"] == "parquet":
         parquet = pq.ParquetFile(piece["path"])
-        schema = parquet.schema_arrow
-        kind = schema.field(text_field).type if text_field in schema.names else pa.null()
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise ValueError(f"no text column '{text_field}'")  # the driver tells the whole story
-        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field],
+        try:
+            columns = parquet_columns(parquet.schema_arrow, fields, piece["path"])
+        except ValueError:
+            raise ValueError(f"no text column '{fields.text}'") from None  # the driver says more
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns,
                                           row_groups=range(piece["start"], piece["end"])):
-            yield from (text for text in batch.column(0).to_pylist() if text)
+            yield from parquet_batch_items(batch, fields, piece["path"])
         return
     with open(piece["path"], "rb") as handle:
         handle.seek(piece["start"])
@@ -74,66 +84,96 @@ def _slice_texts(piece: dict, text_field: str) -> Iterator[str]:
     lines = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace")
     for number, line in enumerate(lines, start=1):  # relative: the driver reports errors
         if line.strip():
-            text = _jsonl_text(line, f"'{piece['path']}' piece line {number}", text_field)
-            if text:
-                yield text
+            item = _jsonl_item(line, f"'{piece['path']}' piece line {number}", fields)
+            if item:
+                yield item
 
 
-def _piece_rows(piece: dict, tokenizer: Tokenizer, max_seq_len: int, text_field: str
-                ) -> tuple[np.ndarray, np.ndarray]:
+def _piece_rows(piece: dict, tokenizer: Tokenizer, max_seq_len: int, fields: RecordFields
+                ) -> Gathered:
     """`gather_rows` of one piece: a whole file, or a slice of a JSONL or Parquet file (its
     documents numbered from 0 within the piece)."""
     if piece["kind"] == "file":
-        return gather_rows([Path(piece["path"])], tokenizer, max_seq_len, text_field)
+        return gather_rows([Path(piece["path"])], tokenizer, max_seq_len, fields)
     rows = _RowBuffer()
-    rows.add_documents(0, _record_documents(_slice_texts(piece, text_field), tokenizer,
-                                            max_seq_len), 0)
+    rows.add_documents(0, _record_documents(_slice_items(piece, fields), tokenizer,
+                                            max_seq_len, rows.sft), 0)
     return rows.finish()
 
 
-def tokenize_pieces(batch: pa.Table, *, tokenizer_blob: bytes, max_seq_len: int, text_field: str,
-              token_type: str) -> pa.Table:
+def _piece_table(index: int, gathered: Gathered, token_type: str, schema: pa.Schema
+                 ) -> pa.Table:
+    """One piece's rows (and its counts row, when it read fine-tuning examples)."""
+    values, spans, mask, sft = gathered
+    tables = [schema.empty_table()]
+    if sft.examples:
+        tables.append(pa.table({
+            "piece": [index], "row": [-2], "tokens": [[]], "offset": [-1], "doc": [-1],
+            "error": [None], "loss_mask": [None], "examples": [sft.examples],
+            "truncated": [sft.truncated], "dropped": [sft.dropped]}, schema=schema))
+    if len(spans) == 0:
+        return pa.concat_tables(tables)
+    # gather_rows stores the rows back to back: row i is values[spans[i, 2]:spans[i, 3]].
+    bounds = np.append(spans[:, 2], spans[-1, 3]).astype(np.int32)
+    tokens = pa.ListArray.from_arrays(pa.array(bounds), pa.array(values.astype(token_type)))
+    masks = pa.nulls(len(spans), pa.list_(pa.int8())) if mask is None else (
+        pa.ListArray.from_arrays(pa.array(bounds), pa.array(mask.astype(np.int8))))
+    zeros = pa.array(np.zeros(len(spans), dtype=np.int64))
+    tables.append(pa.table({
+        "piece": pa.array(np.full(len(spans), index, dtype=np.int32)),
+        "row": pa.array(np.arange(len(spans), dtype=np.int64)),
+        "tokens": tokens, "offset": pa.array(spans[:, 1]), "doc": pa.array(spans[:, 4]),
+        "error": pa.nulls(len(spans), pa.string()), "loss_mask": masks,
+        "examples": zeros, "truncated": zeros, "dropped": zeros}, schema=schema))
+    return pa.concat_tables(tables)
+
+
+def tokenize_pieces(batch: pa.Table, *, tokenizer_blob: bytes, max_seq_len: int,
+                    text_field: RecordFields | str, token_type: str) -> pa.Table:
     """Tokenize stage: the rows of each piece of the batch's task groups."""
     tokenizer = _cached_tokenizer(tokenizer_blob)
+    fields = as_fields(text_field)
     schema = tokenized_schema(token_type)
     tables = [schema.empty_table()]
     for piece in (piece for group in batch.column("pieces").to_pylist()
                   for piece in json.loads(group)):
         index = piece["piece"]
         try:
-            values, spans = _piece_rows(piece, tokenizer, max_seq_len, text_field)
+            gathered = _piece_rows(piece, tokenizer, max_seq_len, fields)
+            values = gathered.values
             if len(values) and values.max() > np.iinfo(token_type).max:
                 raise ValueError(f"token id {values.max()} is above the vocabulary "
                                  f"({tokenizer.vocab_size}) of the tokenizer")
         except ValueError as exc:
             tables.append(pa.table({"piece": [index], "row": [-1], "tokens": [[]], "offset": [-1],
-                                    "doc": [-1], "error": [str(exc)]}, schema=schema))
+                                    "doc": [-1], "error": [str(exc)], "loss_mask": [None],
+                                    "examples": [0], "truncated": [0], "dropped": [0]},
+                                   schema=schema))
             continue
-        if len(spans) == 0:
-            continue
-        # gather_rows stores the rows back to back: row i is values[spans[i, 2]:spans[i, 3]].
-        bounds = np.append(spans[:, 2], spans[-1, 3]).astype(np.int32)
-        tokens = pa.ListArray.from_arrays(pa.array(bounds), pa.array(values.astype(token_type)))
-        tables.append(pa.table({
-            "piece": pa.array(np.full(len(spans), index, dtype=np.int32)),
-            "row": pa.array(np.arange(len(spans), dtype=np.int64)),
-            "tokens": tokens, "offset": pa.array(spans[:, 1]), "doc": pa.array(spans[:, 4]),
-            "error": pa.nulls(len(spans), pa.string())}, schema=schema))
+        tables.append(_piece_table(index, gathered, token_type, schema))
     return pa.concat_tables(tables)
 
 
 def summarize_pieces(table: pa.Table) -> pa.Table:
     """Rows, tokens, largest token id and error per piece of one block (a piece may span
     blocks), and its rows per document: `doc_rows[i]` rows of the piece's document
-    `first_doc + i` lie in this block (the driver adds up the blocks of a piece)."""
+    `first_doc + i` lie in this block (the driver adds up the blocks of a piece); its rows with
+    a loss mask and its fine-tuning counts (from its row -2)."""
     pieces = table.column("piece").to_numpy()
+    counts_row = table.column("row").to_numpy() == -2
+    masked = table.column("loss_mask").is_valid().to_numpy(zero_copy_only=False)
+    sft = {name: table.column(name).to_numpy() for name in ("examples", "truncated", "dropped")}
     docs = table.column("doc").to_numpy()
     lengths = pc.list_value_length(table.column("tokens")).to_numpy(zero_copy_only=False)
     errors = table.column("error").to_pylist()
     summary: dict[str, list] = {"piece": [], "rows": [], "tokens": [], "max_token": [], "error": [],
-                                "first_doc": [], "doc_rows": []}
+                                "first_doc": [], "doc_rows": [], "masked": [], "examples": [],
+                                "truncated": [], "dropped": []}
     for piece in np.unique(pieces):
-        chosen = pieces == piece
+        chosen = (pieces == piece) & ~counts_row
+        for name, values in sft.items():
+            summary[name].append(int(values[pieces == piece].sum()))
+        summary["masked"].append(int((chosen & masked).sum()))
         flat = pc.list_flatten(table.column("tokens").filter(pa.array(chosen)))
         ours = docs[chosen & (docs >= 0)]
         first = int(ours.min()) if len(ours) else 0
@@ -147,4 +187,5 @@ def summarize_pieces(table: pa.Table) -> pa.Table:
     return pa.table(summary, schema=pa.schema([
         ("piece", pa.int64()), ("rows", pa.int64()), ("tokens", pa.int64()),
         ("max_token", pa.int64()), ("error", pa.string()), ("first_doc", pa.int64()),
-        ("doc_rows", pa.list_(pa.int64()))]))
+        ("doc_rows", pa.list_(pa.int64())), ("masked", pa.int64()), ("examples", pa.int64()),
+        ("truncated", pa.int64()), ("dropped", pa.int64())]))

@@ -6,9 +6,12 @@ not fit int16), `length` (int32), plus `source` (the input file a row came from)
 (where the row starts in that file's token stream: its documents' tokens in order, each with
 the tokenizer's EOS after it; for bytes without a tokenizer, the byte offset in the file), so
 that every token of the input can be traced to exactly one row, and `doc` (int64: the number of
-the document the row was cut from, in input order). Beside the shards, `_prepare.json` records
-the counts, the tokenizer ({kind, vocab_size, eos_id, pad_id}), `max_token_id` and
-`max_seq_len`, and `tokenizer/` holds a copy of the tokenizer (absent for bytes).
+the document the row was cut from, in input order). When some records are fine-tuning examples
+(prompt/response or messages: `sft.py`), a `loss_mask` column too (list<int8>, 1 on target
+tokens; all 1 on plain-text rows), and `_prepare.json` counts the examples under `sft`.
+Beside the shards, `_prepare.json` records the counts, the tokenizer ({kind, vocab_size,
+eos_id, pad_id}), `max_token_id` and `max_seq_len`, and `tokenizer/` holds
+a copy of the tokenizer (absent for bytes).
 
 With `eval_fraction` F > 0 the documents whose salted hash falls below F go, all their rows,
 into `eval/` instead, a prepared data set of its own (shards, `_prepare.json`, tokenizer copy)
@@ -48,6 +51,7 @@ from elastic_train.data.heldout import (
     row_ids,
     split_record,
 )
+from elastic_train.data.sft import RecordFields
 from elastic_train.data.sources import (
     PathLike,
     collect_input_files,
@@ -80,13 +84,14 @@ logger = logging.getLogger("elastic_train.prepare")
 
 
 def _shard_table(first_id: int, spans: np.ndarray, values: np.ndarray, names: list[str],
-                 token_type: np.dtype) -> pa.Table:
-    """Build one shard's table from its rows of `gather_rows` spans, ids from `first_id`."""
+                 token_type: np.dtype, mask: np.ndarray | None = None) -> pa.Table:
+    """Build one shard's table from its rows of `gather_rows` spans, ids from `first_id` (with
+    a `loss_mask` column when `mask`, aligned with `values`, is given)."""
     lengths = (spans[:, 3] - spans[:, 2]).astype(np.int32)
     offsets = np.zeros(len(spans) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     tokens = np.concatenate([values[start:end] for start, end in spans[:, 2:4]])
-    return pa.table({
+    table = pa.table({
         "id": pa.array(np.arange(first_id, first_id + len(spans), dtype=np.int64)),
         "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(tokens.astype(token_type))),
         "length": pa.array(lengths),
@@ -94,11 +99,16 @@ def _shard_table(first_id: int, spans: np.ndarray, values: np.ndarray, names: li
         "offset": pa.array(spans[:, 1]),
         "doc": pa.array(spans[:, 4]),
     })
+    if mask is None:
+        return table
+    flat = np.concatenate([mask[start:end] for start, end in spans[:, 2:4]])
+    return table.append_column("loss_mask", pa.ListArray.from_arrays(
+        pa.array(offsets), pa.array(flat.astype(np.int8))))
 
 
 def _write_folder(folder: Path, spans: np.ndarray, values: np.ndarray, *, first_id: int,
                   names: list[str], token_type: np.dtype, rows_per_shard: int,
-                  rows_per_block: int) -> dict:
+                  rows_per_block: int, mask: np.ndarray | None = None) -> dict:
     """Write rows `spans` (in id order, ids from `first_id`) as `folder/part-NNNNN.parquet`;
     the counts `_prepare.json` records of them."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -106,7 +116,7 @@ def _write_folder(folder: Path, spans: np.ndarray, values: np.ndarray, *, first_
     tokens, max_token_id = 0, 0
     for shard, first in enumerate(starts):
         table = _shard_table(first_id + first, spans[first:first + rows_per_shard], values, names,
-                             token_type)
+                             token_type, mask)
         pq.write_table(table, folder / f"part-{shard:05d}.parquet", row_group_size=rows_per_block)
         flat = table.column("tokens").combine_chunks().values.to_numpy()
         tokens += len(flat)
@@ -116,11 +126,13 @@ def _write_folder(folder: Path, spans: np.ndarray, values: np.ndarray, *, first_
 
 
 def folder_stats(counts: dict, *, max_seq_len: int, source_files: int, skipped: int,
-                 tokenizer: Tokenizer, token_type: np.dtype) -> dict:
-    """The `_prepare.json` of one prepared folder (both engines write it)."""
-    return {**counts, "max_seq_len": max_seq_len, "source_files": source_files,
-            "skipped_binary_files": skipped, "tokenizer": _tokenizer_record(tokenizer),
-            "token_type": token_type.name}
+                 tokenizer: Tokenizer, token_type: np.dtype, sft: dict | None = None) -> dict:
+    """The `_prepare.json` of one prepared folder (both engines write it); `sft`: the
+    fine-tuning examples' counts, when there were any."""
+    stats = {**counts, "max_seq_len": max_seq_len, "source_files": source_files,
+             "skipped_binary_files": skipped, "tokenizer": _tokenizer_record(tokenizer),
+             "token_type": token_type.name}
+    return {**stats, "sft": sft} if sft else stats
 
 
 def _tokenizer_record(tokenizer: Tokenizer) -> dict:
@@ -140,12 +152,16 @@ def prepare(
     tokenizer: Tokenizer | PathLike | None = None,
     text_field: str = "text",
     eval_fraction: float = 0.0,
+    prompt_field: str = "prompt",
+    response_field: str = "response",
 ) -> dict:
     """Turn text files, JSONL and Parquet files, or folders of them, into shuffled Parquet
     shards of tokens (a folder of Parquet that is tokenized already, with id/tokens/length and
     no text column, is only re-chunked into `rows_per_block`-row groups: `rechunk.py`): UTF-8
     bytes, or `tokenizer`'s (a Tokenizer, or a path `load_tokenizer`
-    loads) with its EOS after each document. `text_field` names the text of JSONL/Parquet.
+    loads) with its EOS after each document. `text_field` names the text of JSONL/Parquet;
+    records holding `prompt_field` and `response_field`, or `messages`, are fine-tuning
+    examples (`sft.py`: one row each, with a `loss_mask`).
     `eval_fraction`: the share of documents held out, all their rows, into `output/eval/`, a
     prepared data set of its own (`heldout.py`).
 
@@ -169,7 +185,8 @@ def prepare(
         tokenizer = load_tokenizer(tokenizer)
     skipped: list[tuple[Path, str]] = []
     files = collect_input_files(inputs, skipped)
-    values, spans = gather_rows(files, tokenizer, max_seq_len, text_field)
+    fields = RecordFields(text=text_field, prompt=prompt_field, response=response_field)
+    values, spans, mask, sft = gather_rows(files, tokenizer, max_seq_len, fields)
     if len(spans) == 0:
         raise ValueError(no_text_message(inputs, skipped))
     warn_skipped(skipped)
@@ -185,9 +202,10 @@ def prepare(
     except OSError as exc:
         raise ValueError(f"output '{out}' cannot be created: {exc.strerror or exc}") from None
     common = {"max_seq_len": max_seq_len, "source_files": len(files), "skipped": len(skipped),
-              "tokenizer": tokenizer, "token_type": token_type}
+              "tokenizer": tokenizer, "token_type": token_type,
+              "sft": sft.record() if sft.examples else None}
     write = {"names": [str(file) for file in files], "token_type": token_type,
-             "rows_per_shard": rows_per_shard, "rows_per_block": rows_per_block}
+             "rows_per_shard": rows_per_shard, "rows_per_block": rows_per_block, "mask": mask}
     for folder in [out, out / EVAL_DIR] if held.any() else [out]:
         if tokenizer.kind != "bytes":
             tokenizer.save(folder / TOKENIZER_DIR)

@@ -13,8 +13,9 @@ any indentation, starts a document (with the decorators and comments directly ab
 one longer than a row is cut again at blank lines into groups of paragraphs of up to half a
 row; other text is cut into blank-line paragraphs. What is still longer than a row is split
 into chunks of a row. A JSONL line or Parquet row is one document: its text is the field
-`text_field` (a null or empty text is skipped). JSONL is read line by line and Parquet in
-batches of `PARQUET_BATCH_ROWS`.
+`text_field` (a null or empty text is skipped), or, when it holds prompt and response fields or
+a messages list, a fine-tuning example: one row with a loss mask (`sft.py`). JSONL is read line
+by line and Parquet in batches of `PARQUET_BATCH_ROWS`.
 
 With a tokenizer that has an EOS, it follows each document; a Python definition cut into
 paragraph groups gets one, after its last group. Without a tokenizer, text files keep
@@ -35,11 +36,20 @@ import re
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from elastic_train.data.sft import (
+    Example,
+    RecordFields,
+    SftCounts,
+    as_fields,
+    encode_example,
+    record_item,
+)
 from elastic_train.data.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = frozenset({".txt", ".py", ".md", ".rst"})
@@ -232,54 +242,98 @@ def collect_input_files(inputs: Iterable[PathLike],
     return files
 
 
-def _jsonl_text(line: str, where: str, text_field: str) -> str | None:
-    """The text of one JSONL line, None for a null; ValueError naming `where` (file:line)."""
+Item = str | Example  # what a record holds: plain text, or a fine-tuning example
+
+
+def _jsonl_item(line: str, where: str, fields: RecordFields) -> Item | None:
+    """The content of one JSONL line (`sft.record_item`), None for a null; ValueError naming
+    `where` (file:line)."""
     try:
         record = json.loads(line)
     except ValueError as exc:
         raise ValueError(f"{where} is not valid JSON: {exc}") from exc
     if not isinstance(record, dict):
         raise ValueError(f"{where} is not a JSON object (it is {type(record).__name__})")
-    if text_field not in record:
-        fields = ", ".join(map(str, record)) or "none"
-        raise ValueError(f"{where} has no field '{text_field}' (--text-field); it has: {fields}")
-    text = record[text_field]
-    if text is not None and not isinstance(text, str):
-        raise ValueError(f"{where}: field '{text_field}' is not a string "
-                         f"(it is {type(text).__name__})")
-    return text
+    return record_item(record, where, fields)
 
 
-def iter_jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
-    """The non-empty texts of a JSONL file's records, in order (blank lines skipped)."""
+def iter_jsonl_records(path: Path, fields: RecordFields | str) -> Iterator[Item]:
+    """The non-empty texts and the examples of a JSONL file's records, in order (blank lines
+    skipped)."""
+    fields = as_fields(fields)
     with open(path, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, start=1):
             if line.strip():
-                text = _jsonl_text(line, f"'{path}' line {number}", text_field)
-                if text:
-                    yield text
+                item = _jsonl_item(line, f"'{path}' line {number}", fields)
+                if item:
+                    yield item
 
 
-def iter_parquet_texts(path: Path, text_field: str) -> Iterator[str]:
-    """The non-empty texts of a Parquet file's column `text_field`, read in batches."""
+def parquet_columns(schema: pa.Schema, fields: RecordFields, shown: str) -> list[str]:
+    """The columns a Parquet input is read from: prompt and response, else messages, else the
+    text column; ValueError naming `shown` when it has none of them or a text column of another
+    type."""
+    names = schema.names
+    if fields.prompt in names and fields.response in names:
+        return [fields.prompt, fields.response]
+    if fields.messages in names:
+        return [fields.messages]
+    if fields.text not in names:
+        raise ValueError(f"input '{shown}' has no column '{fields.text}' (--text-field), nor "
+                         f"'{fields.prompt}' and '{fields.response}', nor '{fields.messages}'; "
+                         f"it has: {', '.join(names)}")
+    kind = schema.field(fields.text).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"input '{shown}': column '{fields.text}' holds {kind}, not text")
+    return [fields.text]
+
+
+def parquet_batch_items(batch: pa.RecordBatch, fields: RecordFields, shown: str
+                        ) -> Iterator[Item]:
+    """The non-empty texts and the examples of one batch of `parquet_columns`."""
+    names = batch.schema.names
+    for number, values in enumerate(zip(*(column.to_pylist() for column in batch.columns),
+                                        strict=True)):
+        if len(names) == 1 and names[0] == fields.text:
+            item: Item | None = values[0]
+        else:
+            item = record_item(dict(zip(names, values, strict=True)),
+                               f"'{shown}' batch row {number}", fields)
+        if item:
+            yield item
+
+
+def iter_parquet_records(path: Path, fields: RecordFields | str) -> Iterator[Item]:
+    """The non-empty texts and the examples of a Parquet file, read in batches."""
+    fields = as_fields(fields)
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"input '{path}' is not a readable Parquet file: {exc}") from exc
-    schema = parquet.schema_arrow
-    if text_field not in schema.names:
-        raise ValueError(f"input '{path}' has no column '{text_field}' (--text-field); "
-                         f"it has: {', '.join(schema.names)}")
-    kind = schema.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ValueError(f"input '{path}': column '{text_field}' holds {kind}, not text")
-    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
-        yield from (text for text in batch.column(0).to_pylist() if text)
+    columns = parquet_columns(parquet.schema_arrow, fields, str(path))
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+        yield from parquet_batch_items(batch, fields, str(path))
+
+
+Row = np.ndarray | tuple[np.ndarray, np.ndarray]  # tokens, or (tokens, loss_mask)
+
+
+class Gathered(NamedTuple):
+    """The rows of some inputs: token values, an (n, 5) array of rows `(file index, offset in
+    the file's token stream, start in values, end in values, document)`, the loss mask aligned
+    with the values (None when no row came from a fine-tuning example; 1 on every token of a
+    plain-text row otherwise) and the fine-tuning examples' counts."""
+
+    values: np.ndarray
+    spans: np.ndarray
+    mask: np.ndarray | None
+    sft: SftCounts
 
 
 class _RowBuffer:
     """Rows as they are made: token values gathered into a few large arrays, and per row
-    (source index, offset in the source's token stream, start, end in the values, document)."""
+    (source index, offset in the source's token stream, start, end in the values, document),
+    and the loss masks of the rows that have one."""
 
     def __init__(self) -> None:
         self._chunks: list[np.ndarray] = []
@@ -287,10 +341,15 @@ class _RowBuffer:
         self._meta = array("q")
         self._size = 0
         self._source, self._offset = -1, 0
+        self._masks: list[tuple[int, np.ndarray]] = []  # (start in values, mask)
+        self.sft = SftCounts()
 
-    def add(self, source: int, ids: np.ndarray, doc: int = 0) -> None:
+    def add(self, source: int, ids: Row, doc: int = 0) -> None:
         """One row of `source`'s, right after the previous one of that source, cut from
-        document `doc`."""
+        document `doc` (a fine-tuning row comes with its loss mask)."""
+        if isinstance(ids, tuple):
+            ids, mask = ids
+            self._masks.append((self._size, mask))
         if source != self._source:
             self._source, self._offset = source, 0
         self._meta.extend((source, self._offset, self._size, self._size + len(ids), doc))
@@ -301,7 +360,7 @@ class _RowBuffer:
             self._chunks.append(np.concatenate(self._pending))
             self._pending = []
 
-    def add_documents(self, source: int, documents: Iterable[list[np.ndarray]], first_doc: int
+    def add_documents(self, source: int, documents: Iterable[list[Row]], first_doc: int
                       ) -> int:
         """The rows of `source`'s documents, numbered from `first_doc` on (a document without
         rows takes no number); returns the next number."""
@@ -312,11 +371,17 @@ class _RowBuffer:
             doc += bool(rows)
         return doc
 
-    def finish(self) -> tuple[np.ndarray, np.ndarray]:
-        """All token values in one array, and the (rows, 5) array of row metadata."""
+    def finish(self) -> Gathered:
+        """All token values in one array, the (rows, 5) array of row metadata, the loss mask."""
         parts = self._chunks + self._pending
         values = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
-        return values, np.array(self._meta, dtype=np.int64).reshape(-1, 5)
+        mask = None
+        if self._masks:
+            mask = np.ones(len(values), dtype=np.int8)
+            for start, row_mask in self._masks:
+                mask[start:start + len(row_mask)] = row_mask
+        return Gathered(values, np.array(self._meta, dtype=np.int64).reshape(-1, 5), mask,
+                        self.sft)
 
 
 def _text_file_documents(file: Path, tokenizer: Tokenizer, max_seq_len: int
@@ -340,37 +405,46 @@ def _text_file_documents(file: Path, tokenizer: Tokenizer, max_seq_len: int
                                         eos_id=tokenizer.eos_id, max_seq_len=max_seq_len)
 
 
-def _record_documents(texts: Iterable[str], tokenizer: Tokenizer, max_seq_len: int
-                      ) -> Iterator[list[np.ndarray]]:
-    """The rows of JSONL/Parquet records, one list per record: its tokens (UTF-8 bytes without
-    a tokenizer), the EOS appended, cut into chunks of `max_seq_len`."""
+def _record_documents(items: Iterable[Item], tokenizer: Tokenizer, max_seq_len: int,
+                      sft: SftCounts) -> Iterator[list[Row]]:
+    """The rows of JSONL/Parquet records, one list per record: a text's tokens (UTF-8 bytes
+    without a tokenizer), the EOS appended, cut into chunks of `max_seq_len`; a fine-tuning
+    example's one row with its loss mask (none when it is dropped: `sft.TRUNCATION_RULE`),
+    counted in `sft`."""
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    records = iter(texts)
+    records = iter(items)
     while batch := list(itertools.islice(records, ENCODE_BATCH_RECORDS)):
+        texts = [item for item in batch if isinstance(item, str)]
         if tokenizer.kind == "bytes":
-            encoded = [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in batch]
+            encoded = iter([np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts])
         else:
-            encoded = [np.asarray(ids + eos, dtype=np.int32)
-                       for ids in tokenizer.encode_batch(batch) if ids]
-        for ids in encoded:
-            yield chunk_rows(ids, max_seq_len)
+            encoded = iter([np.asarray(ids + eos, dtype=np.int32) if ids else None
+                            for ids in tokenizer.encode_batch(texts)])
+        for item in batch:
+            if isinstance(item, str):
+                ids = next(encoded)
+                if ids is not None:
+                    yield chunk_rows(ids, max_seq_len)
+                continue
+            row = encode_example(item, tokenizer, max_seq_len, sft)
+            yield [] if row is None else [row]
 
 
 def gather_rows(files: Sequence[Path], tokenizer: Tokenizer, max_seq_len: int,
-                text_field: str) -> tuple[np.ndarray, np.ndarray]:
-    """All rows of all files: the token values, and an (n, 5) array of rows `(file index,
-    offset in the file's token stream, start in values, end in values, document)`. Documents
-    are numbered in input order: files in the order given, documents in file order (a text
-    file's Python definitions or paragraphs, a JSONL or Parquet file's records), counting only
-    those that gave rows."""
+                fields: RecordFields | str) -> Gathered:
+    """All rows of all files (`Gathered`). Documents are numbered in input order: files in the
+    order given, documents in file order (a text file's Python definitions or paragraphs, a
+    JSONL or Parquet file's records), counting only those that gave rows."""
     rows = _RowBuffer()
     doc = 0
     for index, file in enumerate(files):
         suffix = file.suffix.lower()
         if suffix == ".jsonl":
-            made = _record_documents(iter_jsonl_texts(file, text_field), tokenizer, max_seq_len)
+            made = _record_documents(iter_jsonl_records(file, fields), tokenizer, max_seq_len,
+                                     rows.sft)
         elif suffix == ".parquet":
-            made = _record_documents(iter_parquet_texts(file, text_field), tokenizer, max_seq_len)
+            made = _record_documents(iter_parquet_records(file, fields), tokenizer, max_seq_len,
+                                     rows.sft)
         else:
             made = _text_file_documents(file, tokenizer, max_seq_len)
         doc = rows.add_documents(index, made, doc)

@@ -3,7 +3,9 @@
 A tokenizer has `kind` ("bytes" | "hf"), `vocab_size`, `eos_id` and `pad_id` (None when it has
 none), `encode(text)` (no special tokens added), `encode_batch(texts)`, `decode(ids)`,
 `save(folder)` (a copy that `load_tokenizer(folder)` loads back) and
-`save_for_transformers(folder)` (files `transformers.AutoTokenizer.from_pretrained` loads).
+`save_for_transformers(folder)` (files `transformers.AutoTokenizer.from_pretrained` loads), and
+`chat_template` (the jinja2 template of its tokenizer_config.json, None without one: `sft.py`
+renders `messages` records with it; saved with the copy).
 
 `load_tokenizer(None)` is the byte tokenizer; a path is a `tokenizer.json` file, a folder
 holding one, or a folder `transformers.AutoTokenizer` loads, never downloaded. The Hugging Face
@@ -37,6 +39,7 @@ class Tokenizer(Protocol):
     vocab_size: int  # every id is below this
     eos_id: int | None  # appended after each document by prepare; None: no end marker
     pad_id: int | None  # None: the tokenizer has no padding token
+    chat_template: str | None  # renders chat records (`sft.py`); None: the tokenizer has none
 
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
@@ -53,6 +56,7 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB
     eos_id: int | None = None
     pad_id: int | None = None
+    chat_template: str | None = None
 
     def encode(self, text: str) -> list[int]:
         """The UTF-8 bytes of `text`."""
@@ -83,11 +87,17 @@ class HFTokenizer:
 
     kind = "hf"
 
-    def __init__(self, backend: Any, eos_id: int | None, pad_id: int | None) -> None:
+    def __init__(self, backend: Any, eos_id: int | None, pad_id: int | None,
+                 chat_template: str | None = None) -> None:
         self.backend = backend  # a tokenizers.Tokenizer
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         self.eos_id = eos_id
         self.pad_id = pad_id
+        self.chat_template = chat_template
+
+    def token_text(self, token_id: int | None) -> str | None:
+        """The text of a token id (the EOS a chat template writes), or None."""
+        return self._token(token_id)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without the special tokens a post-processor would add."""
@@ -112,6 +122,8 @@ class HFTokenizer:
         self.backend.save(str(Path(folder) / "tokenizer.json"))
         config = {"tokenizer_class": "PreTrainedTokenizerFast",
                   "eos_token": self._token(self.eos_id), "pad_token": self._token(self.pad_id)}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
         (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     def save_for_transformers(self, folder: str | os.PathLike) -> None:
@@ -123,6 +135,8 @@ class HFTokenizer:
         wrapped = PreTrainedTokenizerFast(tokenizer_object=self.backend,
                                           eos_token=self._token(self.eos_id),
                                           pad_token=self._token(self.pad_id))
+        if self.chat_template:
+            wrapped.chat_template = self.chat_template
         wrapped.save_pretrained(str(folder))
 
 
@@ -139,6 +153,21 @@ def _config_token(folder: Path, key: str) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
+
+
+def _chat_template(folder: Path) -> str | None:
+    """The chat template of the folder's tokenizer_config.json (or chat_template.jinja): a
+    string, or the one named "default" of a list of named templates; None without one."""
+    try:
+        value = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        value = None
+    if isinstance(value, list):
+        value = next((item.get("template") for item in value
+                      if isinstance(item, dict) and item.get("name") == "default"), None)
+    if not value and (folder / "chat_template.jinja").is_file():
+        value = (folder / "chat_template.jinja").read_text()
+    return value if isinstance(value, str) and value else None
 
 
 def _special_id(backend: Any, configured: str | None, names: Sequence[str]) -> int | None:
@@ -159,7 +188,7 @@ def _from_tokenizer_json(file: Path) -> HFTokenizer:
     folder = file.parent
     eos = _special_id(backend, _config_token(folder, "eos_token"), EOS_NAMES)
     pad = _special_id(backend, _config_token(folder, "pad_token"), PAD_NAMES)
-    return HFTokenizer(backend, eos, pad)
+    return HFTokenizer(backend, eos, pad, _chat_template(folder))
 
 
 def _from_transformers(folder: Path) -> HFTokenizer:
@@ -173,7 +202,9 @@ def _from_transformers(folder: Path) -> HFTokenizer:
                          "(tokenizers) backend")
     eos = _special_id(backend, getattr(loaded, "eos_token", None), EOS_NAMES)
     pad = _special_id(backend, getattr(loaded, "pad_token", None), PAD_NAMES)
-    return HFTokenizer(backend, eos, pad)
+    template = getattr(loaded, "chat_template", None)
+    return HFTokenizer(backend, eos, pad,
+                       template if isinstance(template, str) else _chat_template(folder))
 
 
 def load_tokenizer(path: str | os.PathLike | None, *, label: str = "--tokenizer") -> Tokenizer:

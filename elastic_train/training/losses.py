@@ -4,7 +4,10 @@ A loss function is `loss_fn(model, batch) -> (loss_sum, num_targets)`. `batch` i
 on the model's device (see `data.MicroBatch.to_batch`): `tokens` [B, T] int64 right-padded with the
 tokenizer's pad id, `attention_mask` [B, T] (1 on real tokens), `position_ids` [B, T], `labels`
 [B, T] (the tokens, IGNORE_INDEX on padding, not shifted), `lengths` [B], plus any extra Parquet
-column of the data set (e.g. `label` [B]). The loop divides the gradient by the count of targets
+column of the data set (e.g. `label` [B]). Fine-tuning data adds `loss_mask` [B, T] (1 on the answer
+tokens), and `labels` then hold IGNORE_INDEX on every other token: the default loss counts and sums
+only the answers' targets, and so does the loop's global target count (`MicroBatch.targets`).
+The loop divides the gradient by the count of targets
 over all ranks and micro-batches, so every target weighs the same whatever the world size: that
 is why a loss returns a sum, never a mean. (Hugging Face's `model(labels=...)` returns a
 per-micro-batch mean, its known gradient-accumulation bug: never used here.)
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from elastic_train.data.batches import IGNORE_INDEX
+from elastic_train.data.batches import IGNORE_INDEX, LOSS_MASK
 
 LOSS_CHUNK_TOKENS = 4096  # rows x positions of logits materialised at once
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, Any]]
@@ -110,10 +113,14 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor],
     """Next-token cross entropy summed over real targets, and the number of real targets.
 
     Row i holds `lengths[i]` real tokens, then padding; target j (token j + 1) is real when
-    j < lengths[i] - 1, which `labels` marks (IGNORE_INDEX on padding).
+    j < lengths[i] - 1, which `labels` marks (IGNORE_INDEX on padding), and, with a `loss_mask`
+    (fine-tuning data), when token j + 1 is an answer token (IGNORE_INDEX on the prompt too).
     """
     targets = batch["labels"][:, 1:]
-    num_targets = int((batch["lengths"] - 1).clamp(min=0).sum())
+    if LOSS_MASK in batch:
+        num_targets = int((targets != IGNORE_INDEX).sum())
+    else:
+        num_targets = int((batch["lengths"] - 1).clamp(min=0).sum())
     if chunked_head_applies(model):
         return _chunked_hf_loss_sum(model, batch, targets, chunk_tokens), num_targets
     logits = forward(model, batch)[:, :-1]

@@ -1,0 +1,223 @@
+"""Fine-tuning records: a prompt and its response, or a chat conversation, made into one row of
+tokens with a `loss_mask` (1 where the token is a target: the answer's tokens and the end marker
+after it).
+
+Why a mask and not more rows: every SFT recipe trains on the answer only, and an answer means
+nothing without its prompt. So an example is never cut into a second row that would start
+mid-answer. The rule for an example longer than `max_seq_len`: it is truncated to its first
+`max_seq_len` tokens when that keeps at least one target token (the end of a long answer is lost,
+its prompt kept), else (the prompt alone fills the row, or there is no answer at all) it is
+dropped. Both are counted (`SftCounts`) and recorded in `_prepare.json` under `sft`.
+
+A record is a fine-tuning example when it holds both `prompt` and `response` fields (names
+settable, `RecordFields`), or a `messages` list of `{role, content}`; otherwise its text field is
+read as plain text (every token a target). Prompt and response are tokenized apart and put back to
+back (no separator is added: put one in the prompt), then the tokenizer's EOS, a target. A
+conversation is rendered with the tokenizer's chat template (the `chat_template` of its
+tokenizer_config.json, rendered with jinja2 as transformers does); each assistant message's
+rendering (from the end of the generation prompt before it to the end of the message, so the
+template's end-of-turn marker is a target too) is a target span; the pieces between are tokenized
+apart, so that the mask falls exactly on span boundaries. A template that does not render a
+conversation as the prefix of its continuation is refused, as is a tokenizer without a template.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from elastic_train.data.tokenizer import Tokenizer
+
+TRUNCATION_RULE = ("an example longer than max_seq_len keeps its first max_seq_len tokens when "
+                   "they hold a target token, else it is dropped")
+
+
+@dataclass(frozen=True)
+class RecordFields:
+    """The field (column) names `prepare` reads from JSONL and Parquet records."""
+
+    text: str = "text"  # plain text: every token a target
+    prompt: str = "prompt"  # with `response`: a fine-tuning example
+    response: str = "response"
+    messages: str = "messages"  # a list of {role, content}: a chat example
+
+
+def as_fields(fields: RecordFields | str) -> RecordFields:
+    """`fields`, or the default field names with `fields` as the text field."""
+    return fields if isinstance(fields, RecordFields) else RecordFields(text=fields)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One fine-tuning record: `prompt` and `response`, or `messages`."""
+
+    prompt: str | None = None
+    response: str | None = None
+    messages: tuple[dict, ...] | None = None
+
+
+@dataclass
+class SftCounts:
+    """Fine-tuning examples read, truncated and dropped (`TRUNCATION_RULE`)."""
+
+    examples: int = 0
+    truncated: int = 0
+    dropped: int = 0
+
+    def add(self, other: SftCounts) -> None:
+        self.examples += other.examples
+        self.truncated += other.truncated
+        self.dropped += other.dropped
+
+    def record(self) -> dict:
+        """The `sft` section of `_prepare.json`."""
+        return {"examples": self.examples, "truncated": self.truncated, "dropped": self.dropped,
+                "rule": TRUNCATION_RULE}
+
+
+def _string(value: Any, where: str, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field '{name}' is not a string (it is {type(value).__name__})")
+    return value
+
+
+def _messages(value: Any, where: str, name: str) -> tuple[dict, ...]:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{where}: field '{name}' is not a list of {{role, content}} "
+                         f"(it is {type(value).__name__})")
+    out = []
+    for number, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: {name}[{number}] is not a {{role, content}} mapping of "
+                             f"strings: {json.dumps(message, default=str)[:120]}")
+        out.append({"role": message["role"], "content": message["content"]})
+    return tuple(out)
+
+
+def record_item(record: dict, where: str, fields: RecordFields) -> str | Example | None:
+    """A record's content: an `Example` when it holds prompt and response (or messages), else its
+    text (None for a null). ValueError naming `where` for a record with none of them, or one of
+    the wrong type."""
+    if fields.prompt in record and fields.response in record:
+        prompt, response = record[fields.prompt], record[fields.response]
+        if prompt is None and response is None:
+            return None
+        return Example(prompt=_string(prompt or "", where, fields.prompt),
+                       response=_string(response or "", where, fields.response))
+    if fields.messages in record:
+        if record[fields.messages] is None:
+            return None
+        return Example(messages=_messages(record[fields.messages], where, fields.messages))
+    if fields.text not in record:
+        have = ", ".join(map(str, record)) or "none"
+        raise ValueError(f"{where} has no field '{fields.text}' (--text-field), nor "
+                         f"'{fields.prompt}' and '{fields.response}' (--prompt-field, "
+                         f"--response-field), nor '{fields.messages}'; it has: {have}")
+    text = record[fields.text]
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{where}: field '{fields.text}' is not a string "
+                         f"(it is {type(text).__name__})")
+    return text
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled_template(template: str) -> Any:
+    """The chat template compiled as transformers compiles it (sandboxed jinja2)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"the chat template refused the conversation: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+def _renderer(tokenizer: Tokenizer) -> Callable[[Sequence[dict], bool], str]:
+    """render(messages, add_generation_prompt) with the tokenizer's chat template."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        which = "prepare has no tokenizer (bytes)" if tokenizer.kind == "bytes" else (
+            "the tokenizer (--tokenizer) has no chat template (no 'chat_template' in its "
+            "tokenizer_config.json)")
+        raise ValueError(f"records with 'messages' are rendered with the tokenizer's chat "
+                         f"template, but {which}: give a tokenizer that has one, or records "
+                         "with prompt/response fields")
+    compiled = _compiled_template(template)
+    token = getattr(tokenizer, "token_text", lambda _: None)
+    special = {"eos_token": token(tokenizer.eos_id) or "", "bos_token": ""}
+    return lambda messages, prompt: compiled.render(messages=list(messages),
+                                                    add_generation_prompt=prompt, **special)
+
+
+def chat_segments(messages: Sequence[dict], render: Callable[[Sequence[dict], bool], str]
+                  ) -> list[tuple[str, bool]]:
+    """A conversation's rendering cut into (text, is_target) pieces: each assistant message,
+    from the end of the generation prompt before it to the end of its rendering, a target."""
+    segments: list[tuple[str, bool]] = []
+    done = ""
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        head, full = render(messages[:index], True), render(messages[:index + 1], False)
+        if not (head.startswith(done) and full.startswith(head)):
+            raise ValueError("the chat template does not render a conversation as the prefix of "
+                             "its continuation, so the answer tokens cannot be told apart")
+        segments += [(head[len(done):], False), (full[len(head):], True)]
+        done = full
+    whole = render(messages, False)
+    if not whole.startswith(done):
+        raise ValueError("the chat template does not render a conversation as the prefix of "
+                         "its continuation, so the answer tokens cannot be told apart")
+    segments.append((whole[len(done):], False))
+    return [(text, target) for text, target in segments if text]
+
+
+def _encode_segments(segments: list[tuple[str, bool]], tokenizer: Tokenizer
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    texts = [text for text, _ in segments]
+    if tokenizer.kind == "bytes":
+        pieces = [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+        dtype: type = np.uint8
+    else:
+        pieces = [np.asarray(ids, dtype=np.int32) for ids in tokenizer.encode_batch(texts)]
+        dtype = np.int32
+    masks = [np.full(len(piece), int(target), dtype=np.int8)
+             for piece, (_, target) in zip(pieces, segments, strict=True)]
+    ids = np.concatenate([np.zeros(0, dtype), *pieces]).astype(dtype)
+    return ids, np.concatenate([np.zeros(0, np.int8), *masks])
+
+
+def encode_example(example: Example, tokenizer: Tokenizer, max_seq_len: int,
+                   counts: SftCounts) -> tuple[np.ndarray, np.ndarray] | None:
+    """An example's row: (tokens, loss_mask), the EOS after the answer (after the conversation,
+    a target when it ends with an assistant message, unless the template wrote it); None when it
+    is dropped (`TRUNCATION_RULE`). Counts it in `counts`."""
+    counts.examples += 1
+    if example.messages is None:
+        segments = [(example.prompt or "", False), (example.response or "", True)]
+        segments = [(text, target) for text, target in segments if text]
+        ends_with_answer = bool(example.response)
+    else:
+        segments = chat_segments(example.messages, _renderer(tokenizer))
+        ends_with_answer = bool(example.messages) and example.messages[-1]["role"] == "assistant"
+    ids, mask = _encode_segments(segments, tokenizer)
+    eos = tokenizer.eos_id
+    if eos is not None and (len(ids) == 0 or int(ids[-1]) != eos):
+        ids = np.append(ids, np.asarray(eos, ids.dtype)).astype(ids.dtype)
+        mask = np.append(mask, np.int8(ends_with_answer)).astype(np.int8)
+    if len(ids) > max_seq_len:
+        ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+        if mask.any():
+            counts.truncated += 1
+    if not mask.any():
+        counts.dropped += 1
+        return None
+    return ids, mask

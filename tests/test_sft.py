@@ -1,0 +1,158 @@
+"""Fine-tuning data (issue 30): prompt/response and chat records become rows with a `loss_mask`,
+the same from both prepare engines; the default loss counts exactly the answer tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elastic_train.cli import main as cli_main
+from elastic_train.data.batches import IGNORE_INDEX, MicroBatch
+from elastic_train.data.prepare import prepare
+from elastic_train.data.tokenizer import load_tokenizer
+from elastic_train.training.losses import causal_lm_loss
+
+EOS = "<|endoftext|>"  # id 0 of the bpe_tokenizer fixture
+# Each assistant message ends with the EOS; the generation prompt is the assistant header.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+                 "{% if m.role == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PAIRS = [("Question: what is two plus two?\nAnswer:", " four"),
+         ("Translate 'chat' to English:", " cat, a small animal that purrs"),
+         ("Say nothing.", " ok")]
+
+
+def rows_of(folder: Path) -> list[dict]:
+    """Every row of a prepared folder, in id order."""
+    tables = [pq.read_table(path) for path in sorted(folder.glob("*.parquet"))]
+    return sorted(pa.concat_tables(tables).to_pylist(), key=lambda row: row["id"])
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+@pytest.fixture
+def chat_tokenizer(bpe_tokenizer, tmp_path) -> Path:
+    """The BPE tokenizer in a folder whose tokenizer_config.json has `CHAT_TEMPLATE`."""
+    folder = tmp_path / "chat_tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(Path(bpe_tokenizer).read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": EOS, "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+@pytest.mark.unit
+def test_prompt_response_rows_mask_exactly_the_response_and_its_eos(tmp_path, bpe_tokenizer):
+    """JSONL prompt/response records (with custom field names) and a Parquet file of them: one
+    row per example, tokens = prompt's + response's + EOS, loss_mask 0 on the prompt, 1 on the
+    response and the EOS; a plain-text record beside them is all targets."""
+    tok = load_tokenizer(bpe_tokenizer)
+    write_jsonl(tmp_path / "a.jsonl", [{"q": p, "a": r} for p, r in PAIRS] + [{"text": "plain"}])
+    pq.write_table(pa.table({"q": [p for p, _ in PAIRS], "a": [r for _, r in PAIRS]}),
+                   tmp_path / "b.parquet")
+    stats = prepare([tmp_path / "a.jsonl", tmp_path / "b.parquet"], tmp_path / "out",
+                    tokenizer=bpe_tokenizer, max_seq_len=64, prompt_field="q",
+                    response_field="a")
+    assert stats["sft"]["examples"] == 6 and stats["sft"]["dropped"] == 0
+    expected = {}
+    for prompt, response in PAIRS:
+        p, r = tok.encode(prompt), tok.encode(response)
+        expected[tuple(p + r + [0])] = [0] * len(p) + [1] * (len(r) + 1)
+    expected[tuple(tok.encode("plain") + [0])] = [1] * (len(tok.encode("plain")) + 1)
+    rows = rows_of(tmp_path / "out")
+    assert len(rows) == 7
+    for row in rows:
+        assert row["loss_mask"] == expected[tuple(row["tokens"])]
+        assert len(row["loss_mask"]) == row["length"]
+    assert pq.read_schema(next((tmp_path / "out").glob("*.parquet"))).field(
+        "loss_mask").type == pa.list_(pa.int8())
+
+
+@pytest.mark.unit
+def test_chat_messages_are_rendered_with_the_template_and_only_answers_are_targets(
+        tmp_path, chat_tokenizer):
+    """A two-turn conversation: the row decodes to the template's rendering; the tokens masked
+    1 decode to the two answers, each with its EOS; the rest to the system/user turns and the
+    assistant headers. The tokenizer copy keeps the template."""
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+                {"role": "user", "content": "And of Italy?"},
+                {"role": "assistant", "content": "Rome."}]
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    prepare([tmp_path / "chat.jsonl"], tmp_path / "out", tokenizer=chat_tokenizer,
+            max_seq_len=128)
+    (row,) = rows_of(tmp_path / "out")
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer")
+    tokens, mask = np.array(row["tokens"]), np.array(row["loss_mask"], dtype=bool)
+    assert tok.decode(tokens) == (
+        "<|system|>Be brief.\n<|user|>Capital of France?\n<|assistant|>Paris." + EOS
+        + "<|user|>And of Italy?\n<|assistant|>Rome." + EOS)
+    assert tok.decode(tokens[mask]) == "Paris." + EOS + "Rome." + EOS
+    assert tok.decode(tokens[~mask]) == ("<|system|>Be brief.\n<|user|>Capital of France?\n"
+                                         "<|assistant|><|user|>And of Italy?\n<|assistant|>")
+    assert tok.chat_template == CHAT_TEMPLATE
+
+
+@pytest.mark.unit
+def test_chat_without_a_template_is_refused_by_name(tmp_path, bpe_tokenizer, capsys):
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    status = cli_main(["prepare", str(tmp_path / "chat.jsonl"), "--output", str(tmp_path / "o"),
+                       "--tokenizer", bpe_tokenizer, "--engine", "local"])
+    err = capsys.readouterr().err
+    assert status != 0 and "no chat template" in err and "--tokenizer" in err
+    assert not list((tmp_path / "o").glob("*.parquet"))
+
+
+@pytest.mark.unit
+def test_long_examples_are_truncated_or_dropped_by_the_rule_and_counted(tmp_path):
+    """Bytes, rows of 16: a long answer is cut at 16 tokens (its prompt kept whole); a prompt
+    that fills the row is dropped, as is an example with an empty response; never a row that
+    starts mid-answer. The documents are numbered without the dropped ones."""
+    write_jsonl(tmp_path / "a.jsonl", [
+        {"prompt": "Q:", "response": "A" * 40},  # truncated
+        {"prompt": "P" * 20, "response": "x"},  # dropped: the prompt fills the row
+        {"prompt": "Q?", "response": ""},  # dropped: no answer
+        {"prompt": "Hi", "response": "yo"}])
+    stats = prepare([tmp_path / "a.jsonl"], tmp_path / "out", max_seq_len=16)
+    assert {k: stats["sft"][k] for k in ("examples", "truncated", "dropped")} == {
+        "examples": 4, "truncated": 1, "dropped": 2}
+    assert "dropped" in stats["sft"]["rule"]
+    rows = {bytes(row["tokens"]): (row["loss_mask"], row["doc"]) for row in rows_of(tmp_path / "out")}
+    assert rows == {b"Q:" + b"A" * 14: ([0, 0] + [1] * 14, 0), b"Hiyo": ([0, 0, 1, 1], 1)}
+
+
+@pytest.mark.unit
+def test_the_loss_counts_exactly_the_answer_tokens():
+    """A batch of two padded rows with a hand-written mask: the loss sum is the cross entropy of
+    the masked next-token targets only, the count is theirs, and `MicroBatch.targets` (the
+    loop's global count) agrees; the user's loss_fn sees the mask in the batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+    tokens = np.array([[3, 4, 5, 6, 7, 8], [9, 10, 11, 0, 0, 0]], dtype=np.int64)
+    mask = np.array([[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]], dtype=np.int8)
+    mb = MicroBatch(0, np.array([0, 1]), tokens, np.array([6, 3]), {"loss_mask": mask})
+    batch = mb.to_batch(torch.device("cpu"))
+    loss_sum, count = causal_lm_loss(model, batch)
+    # Hand-computed targets (row, position of the predicting token j, target token j + 1).
+    picked = [(0, 1, 5), (0, 2, 6), (0, 4, 8), (1, 0, 10), (1, 1, 11)]
+    logits = model(torch.from_numpy(tokens))
+    expected = sum(F.cross_entropy(logits[r, j][None], torch.tensor([t]), reduction="sum")
+                   for r, j, t in picked)
+    assert count == len(picked) == mb.targets
+    torch.testing.assert_close(loss_sum, expected)
+    assert torch.equal(batch["loss_mask"], torch.from_numpy(mask))
+    assert int((batch["labels"] != IGNORE_INDEX).sum()) == int(mask.sum())
+    plain = MicroBatch(0, np.array([0, 1]), tokens, np.array([6, 3]))
+    assert causal_lm_loss(model, plain.to_batch(torch.device("cpu")))[1] == plain.targets == 7
