@@ -156,3 +156,51 @@ def test_the_loss_counts_exactly_the_answer_tokens():
     assert int((batch["labels"] != IGNORE_INDEX).sum()) == int(mask.sum())
     plain = MicroBatch(0, np.array([0, 1]), tokens, np.array([6, 3]))
     assert causal_lm_loss(model, plain.to_batch(torch.device("cpu")))[1] == plain.targets == 7
+
+
+@pytest.fixture(scope="module")
+def ray_2cpu():
+    """One local Ray cluster of 2 CPUs for the module's Ray tests."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.ray
+def test_both_engines_write_the_same_fine_tuning_shards(ray_2cpu, tmp_path, chat_tokenizer,
+                                                        monkeypatch):
+    """Prompt/response JSONL (some truncated, some dropped), chat Parquet and a plain-text file,
+    a held-out split, the JSONL and Parquet cut into many pieces: the Ray Data engine writes the
+    shards (loss_mask included) and `_prepare.json` (sft counts included) of the local one."""
+    from elastic_train.cluster import prepare_ray as prepare_ray_module
+    from elastic_train.cluster.prepare_ray import prepare_ray
+
+    records = [{"prompt": f"Q{i}: " + "why " * (i % 5 if i % 10 else 40),
+                "response": " because" * (i % 9)} for i in range(60)]
+    (tmp_path / "in").mkdir()
+    write_jsonl(tmp_path / "in" / "pairs.jsonl", records)
+    chats = [[{"role": "user", "content": f"n{i}?"}, {"role": "assistant", "content": "y" * i}]
+             for i in range(40)]
+    pq.write_table(pa.table({"messages": chats}), tmp_path / "in" / "chat.parquet",
+                   row_group_size=4)
+    (tmp_path / "in" / "notes.txt").write_text("plain text\n\nanother paragraph\n")
+    args = {"max_seq_len": 24, "rows_per_shard": 30, "rows_per_block": 8, "seed": 5,
+            "eval_fraction": 0.2, "tokenizer": chat_tokenizer}
+    local = prepare([tmp_path / "in"], tmp_path / "local", **args)
+    monkeypatch.setattr(prepare_ray_module, "PIECE_BYTES", 300)
+    pieces = prepare_ray_module._list_pieces(sorted((tmp_path / "in").iterdir()))
+    assert {"jsonl", "parquet"} <= {piece["kind"] for piece in pieces} and len(pieces) > 6
+    ray_stats = prepare_ray([tmp_path / "in"], tmp_path / "ray", progress=False, **args)
+    assert ray_stats == {**local, "engine": "ray"}
+    assert local["sft"]["truncated"] > 0 and local["sft"]["dropped"] > 0
+    assert local["sft"]["examples"] == 100
+    for side in ("", "eval"):
+        names = sorted(path.name for path in (tmp_path / "local" / side).glob("*.parquet"))
+        assert names and names == sorted(
+            path.name for path in (tmp_path / "ray" / side).glob("*.parquet"))
+        for name in names:
+            left = pq.read_table(tmp_path / "local" / side / name)
+            right = pq.read_table(tmp_path / "ray" / side / name)
+            assert left.equals(right) and "loss_mask" in left.column_names, name

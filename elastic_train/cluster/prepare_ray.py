@@ -32,6 +32,10 @@ being its position. Here:
    and writes `part-NNNNN.parquet` itself (in `eval/` for a held-out shard; local folder or any
    URI pyarrow.fs opens) with `row_group_size=rows_per_block`, the blocks training reads
    (`blocks.py`).
+   Fine-tuning rows (`sft.py`) carry their loss mask through the stages (null on a plain-text
+   row, written as all 1s when the data set has any mask, as the single-process version does),
+   and a piece that read fine-tuning examples adds one counts row (row = -2) that the summary
+   adds up for `_prepare.json`'s `sft` and the later stages drop.
 5. The driver writes the tokenizer copies first and each `_prepare.json` last, the training
    set's at the very end: the keys of the single-process version plus `"engine": "ray"`.
 
