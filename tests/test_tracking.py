@@ -7,6 +7,7 @@ import functools
 import json
 import socket
 import struct
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,10 @@ from typing import Any
 import pytest
 
 from elastic_train import load_config
+from elastic_train.cli import main
+from elastic_train.config import ConfigError
 from elastic_train.observe.tracking import EffectiveSteps, Tracker, build_backends, flatten
-from elastic_train.preflight.packages import needed_packages
+from elastic_train.preflight.packages import check_packages, needed_packages
 
 pytestmark = pytest.mark.unit
 
@@ -70,11 +73,18 @@ def test_the_config_becomes_dotted_parameters():
         "train.max_steps": "8", "train.lr": "None", "model.kwargs": "{}", "model.mods": '["a"]'}
 
 
-def test_preflight_names_the_tracking_packages():
+def test_preflight_names_the_tracking_packages(monkeypatch, capsys, tmp_path):
     cfg = load_config(None, ["log.mlflow=file:///tmp/x", "log.wandb=proj"])
     needs = {n.setting: n.module for n in needed_packages(cfg)}
     assert needs["log.mlflow"] == "mlflow" and needs["log.wandb"] == "wandb"
     assert not [n for n in needed_packages(load_config(None, [])) if n.setting.startswith("log.")]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what a missing package looks like to import
+    with pytest.raises(ConfigError, match=r"log.wandb needs the package 'wandb'.*'\.\[track\]'"):
+        check_packages(cfg)
+    code = main(["train", "log.wandb=proj", f"run.storage_path={tmp_path}"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "'wandb'" in errors[0], errors
+    assert list(tmp_path.iterdir()) == []  # refused before Ray started or anything was written
 
 
 def feed(tracker: Tracker, folder: Path, committed: list[int | None]) -> None:
