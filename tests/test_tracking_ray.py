@@ -75,6 +75,8 @@ def test_a_crashed_run_is_one_tracked_run_with_each_step_once_in_mlflow_and_wand
     assert {"loss.png", "throughput.png", "summary.json"} <= set(wb["files"])
     events = [json.loads(line) for line in (Path(result.run_dir) / "events.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["event"] == "tracking_warning"]
+    (finished,) = [e for e in events if e["event"] == "tracking_finished"]
+    assert finished["complete"], finished
 
 
 def test_a_tracking_server_that_refuses_connections_costs_the_run_a_warning(
@@ -86,3 +88,5 @@ def test_a_tracking_server_that_refuses_connections_costs_the_run_a_warning(
     events = [json.loads(line) for line in (Path(result.run_dir) / "events.jsonl").read_text().splitlines()]
     warnings = [e["message"] for e in events if e["event"] == "tracking_warning"]
     assert len(warnings) == 1 and uri in warnings[0] and "run goes on" in warnings[0], warnings
+    (finished,) = [e for e in events if e["event"] == "tracking_finished"]
+    assert finished["wait_s"] < 5, finished  # a dropped server holds nothing back at the end

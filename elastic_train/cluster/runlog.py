@@ -257,7 +257,13 @@ class RunLog:
     def finish_tracking(self, summary: dict[str, Any]) -> bool:
         """The run ended (summary.json's content): the tracked runs get what is left, the summary
         and the plots, within a bounded wait. True if they got all of it (or there are none)."""
-        return True if self.tracker is None else self.tracker.finish(summary)
+        if self.tracker is None:
+            return True
+        start = time.monotonic()
+        complete = self.tracker.finish(summary)
+        self.log_event({"event": "tracking_finished", "complete": complete,
+                        "wait_s": round(time.monotonic() - start, 3)})
+        return complete
 
     def _first(self, kind: str, record: dict[str, Any]) -> bool:
         """True for the first record of its (attempt, step) of this kind. The keys kept, not the
