@@ -23,7 +23,12 @@ def test_the_reference_names_every_key_with_its_own_comment():
     cfg = load_config(None)
     page = render(cfg)
     for section in dataclasses.fields(cfg):
-        for f in dataclasses.fields(getattr(cfg, section.name)):
-            assert f"| `{section.name}.{f.name}` |" in page, f"{section.name}.{f.name} missing"
+        value = getattr(cfg, section.name)
+        for f in dataclasses.fields(value):
+            inner = getattr(value, f.name)
+            names = ([f"{f.name}.{g.name}" for g in dataclasses.fields(inner)]
+                     if dataclasses.is_dataclass(inner) else [f.name])  # model.lora.r
+            for name in names:
+                assert f"| `{section.name}.{name}` |" in page, f"{section.name}.{name} missing"
     row = next(line for line in page.splitlines() if line.startswith("| `train.grad_reduce` |"))
     assert "same to the bit at any world size" in row  # the comment block above the field

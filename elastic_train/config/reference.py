@@ -65,13 +65,23 @@ def render(defaults: Config | None = None) -> str:
     parts = [HEADER]
     for section in hints_of:
         value = getattr(defaults, section)
-        cls = type(value)
         parts.append(f"\n## `{section}`\n\n| key | type | default | meaning |\n|---|---|---|---|")
-        for f in dataclasses.fields(cls):
-            kind = str(f.type).replace("|", "or")
-            parts.append(f"| `{section}.{f.name}` | {kind} | {_default(getattr(value, f.name))} "
-                         f"| {_cell(comments[cls.__name__].get(f.name, ''))} |")
+        parts.extend(_rows(section, value, comments))
     return "\n".join(parts) + "\n"
+
+
+def _rows(prefix: str, value, comments: dict[str, dict[str, str]]) -> list[str]:
+    """The table rows of a section's keys; a nested section's (model.lora) by their dotted names."""
+    rows = []
+    for f in dataclasses.fields(value):
+        inner = getattr(value, f.name)
+        if dataclasses.is_dataclass(inner):
+            rows.extend(_rows(f"{prefix}.{f.name}", inner, comments))
+            continue
+        kind = str(f.type).replace("|", "or")
+        rows.append(f"| `{prefix}.{f.name}` | {kind} | {_default(inner)} "
+                    f"| {_cell(comments[type(value).__name__].get(f.name, ''))} |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -78,6 +78,19 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    # LoRA adapters of this rank on the frozen model (peft: the `lora` extra); 0: train every weight
+    r: int = 0
+    alpha: float = 16.0  # the adapters' update is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapters' input while training
+    # names (or name suffixes) of the modules that get adapters, e.g. [q_proj, v_proj]; empty:
+    # peft's default for the model type (transformers models it knows)
+    target_modules: list[str] = field(default_factory=list)
+    # 4-bit (bitsandbytes NF4) frozen base: QLoRA, GPU only (refused on CPU workers)
+    load_in_4bit: bool = False
+
+
+@dataclass
 class ModelConfig:
     # gpt: the embedded byte-level GPT | hf: a transformers causal LM from `path` |
     # "package.module:function": called with vocab_size, max_seq_len and `kwargs`, returns an nn.Module
@@ -100,6 +113,10 @@ class ModelConfig:
     # run's model is rebuilt only by passing that model_fn again (export/load_trained); the command
     # line refuses it
     inline_fn: str | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # with lora: the frozen base's dtype (fp32 | bf16: half its bytes); adapters and their
+    # optimizer state stay fp32
+    base_dtype: str = "fp32"
     n_layer: int = 2  # gpt only, like the three below
     n_head: int = 4
     d_model: int = 128

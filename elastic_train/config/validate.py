@@ -78,6 +78,10 @@ def validate(cfg: Config) -> None:
         f"train.precision must be fp32, bf16 or fp16, got {t.precision!r}",
     )
     _validate_reduce(t)
+    _require(not cfg.model.lora.load_in_4bit or s.use_gpu,
+             "model.lora.load_in_4bit (QLoRA: a bitsandbytes 4-bit base) runs on GPU workers "
+             "only: set scaling.use_gpu=true, or drop load_in_4bit (model.base_dtype=bf16 halves "
+             "the base on CPU)")
     _validate_sharding(cfg)
     _require(
         t.precision != "fp16" or s.use_gpu,
@@ -159,6 +163,11 @@ def _validate_sharding(cfg: Config) -> None:
              "gradients rank by rank and skip steps on one rank's overflow alone; use bf16")
     _require(not t.compile, "train.compile with train.sharding=fsdp is not supported yet: "
                             "set train.compile=false")
+    _require(cfg.model.lora.r == 0,
+             "model.lora with train.sharding=fsdp is not supported yet: the adapters' checkpoint "
+             "and export read whole tensors of one process, fsdp's are rows of every rank; a "
+             "LoRA run's optimizer state is small, so use train.sharding=none (a bf16 base: "
+             "model.base_dtype=bf16)")
     _require(not cfg.checkpoint.keep_best,
              "checkpoint.keep_best with train.sharding=fsdp is not supported yet: a best checkpoint "
              "is written by rank 0 alone, and with fsdp every rank holds a part of the model")
@@ -326,6 +335,7 @@ def _validate_model(m: ModelConfig) -> None:
     _require(m.name != "hf" or bool(m.path), "model.path: model.name=hf needs the folder (or URI) "
                                              "of a transformers model with a config.json")
     _require(m.vocab_size is None or m.vocab_size >= 1, f"model.vocab_size must be >= 1, got {m.vocab_size}")
+    _validate_lora(m)
     if m.name == "gpt":
         unknown = sorted(set(m.kwargs) - set(GPT_KWARGS))
         _require(not unknown, f"model.kwargs: {', '.join(unknown)} not known to model.name=gpt "
@@ -342,6 +352,23 @@ def _validate_model(m: ModelConfig) -> None:
         _require(m.d_model % m.n_head == 0,
                  f"model.d_model ({m.d_model}) is not divisible by model.n_head ({m.n_head})")
         _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
+
+
+def _validate_lora(m: ModelConfig) -> None:
+    """model.lora.* and model.base_dtype."""
+    lora = m.lora
+    _require(lora.r >= 0, f"model.lora.r must be >= 0 (0: no LoRA), got {lora.r}")
+    _require(lora.alpha > 0, f"model.lora.alpha must be > 0, got {lora.alpha}")
+    _require(0 <= lora.dropout < 1, f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
+    for i, name in enumerate(lora.target_modules):
+        _require(bool(str(name).strip()), f"model.lora.target_modules[{i}]: an empty name")
+    _require(m.base_dtype in ("fp32", "bf16"),
+             f"model.base_dtype must be fp32 or bf16, got {m.base_dtype!r}")
+    _require(lora.r > 0 or m.base_dtype == "fp32",
+             "model.base_dtype=bf16 is the frozen base's dtype under LoRA: set model.lora.r > 0 "
+             "(a full fine-tune keeps fp32 weights; use train.precision=bf16 for bf16 compute)")
+    _require(lora.r > 0 or not lora.load_in_4bit,
+             "model.lora.load_in_4bit (QLoRA) needs model.lora.r > 0")
 
 
 def num_partitions(cfg: Config) -> int:

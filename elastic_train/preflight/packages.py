@@ -35,6 +35,8 @@ def needed_packages(cfg: Config) -> list[Need]:
         needs.append(Need("fault.recovery=in_place", "torchft", "pip install -e '.[ft]'"))
     if cfg.model.name == "hf":
         needs.append(Need("model.name=hf", "transformers", "pip install -e '.[hf]'"))
+    if cfg.model.lora.r > 0:
+        needs.append(Need("model.lora.r", "peft", "pip install -e '.[lora]'"))
     if cfg.optim.name == "adamw8bit":
         needs.append(Need("optim.name=adamw8bit", "bitsandbytes", "pip install bitsandbytes"))
     if cfg.log.tensorboard:

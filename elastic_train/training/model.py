@@ -183,6 +183,10 @@ def build_model(model_cfg: ModelConfig, max_seq_len: int, model_fn: ModelFn | No
                          f"{', '.join(sorted(MODELS))}, or an import path 'package.module:function')")
     if model_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if model_cfg.lora.r > 0:  # the base frozen, adapters trained (lora.py)
+        from elastic_train.training.lora import apply_lora
+
+        model = apply_lora(model, model_cfg)
     return model
 
 
