@@ -94,7 +94,7 @@ class Backend(Protocol):
     target: str  # the URI or project, for the warning
 
     def open(self, run_id: str | None, run_name: str, params: dict[str, Any]) -> str: ...
-    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+    def log(self, rows: list[tuple[int, dict[str, float]]]) -> None: ...  # (step, figures)
     def tag(self, tags: dict[str, str]) -> None: ...
     def finish(self, summary: dict[str, Any], files: list[Path]) -> None: ...
 
@@ -151,11 +151,13 @@ class MlflowBackend:
             self.client.log_batch(run_id, params=new[i:i + 100])
         return run_id
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, rows: list[tuple[int, dict[str, float]]]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+        metrics = [Metric(k, v, now, step) for step, figs in rows for k, v in figs.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a batch
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def tag(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -163,7 +165,7 @@ class MlflowBackend:
         self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def finish(self, summary: dict[str, Any], files: list[Path]) -> None:
-        self.log(int(summary.get("steps") or 0), summary_figures(summary))
+        self.log([(int(summary.get("steps") or 0), summary_figures(summary))])
         for path in files:
             self.client.log_artifact(self.run_id, str(path))
         status = {"finished": "FINISHED", "stopped": "KILLED"}.get(summary.get("status"), "FAILED")
@@ -190,8 +192,9 @@ class WandbBackend:
         self.run.define_metric("*", step_metric="step")
         return self.run.id
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log({"step": step, **metrics})
+    def log(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        for step, figs in rows:
+            self.run.log({"step": step, **figs})
 
     def tag(self, tags: dict[str, str]) -> None:
         self.run.tags = tuple(f"{k}={v}" for k, v in tags.items())
@@ -320,9 +323,7 @@ class Tracker:
         if not released:
             return
         for backend in list(self.backends):
-            for step, metrics in released:
-                if self._call(backend, lambda b=backend, s=step, m=metrics: b.log(s, m)) is None:
-                    break
+            self._call(backend, lambda b=backend: b.log(released))
         self._save_state()
 
     def _finish(self, summary: dict[str, Any]) -> None:
