@@ -173,9 +173,10 @@ def item_key(item: Any) -> str:
     return item.key or "/".join(item.nested_key)
 
 
-def wandb_run(folder: Path) -> dict[str, Any]:
-    """The offline run's history rows, summary and saved files."""
-    (run_file,) = folder.glob("wandb/offline-run-*/run-*.wandb")
+def wandb_run(folder: Path, name: str = "offline-run-*") -> dict[str, Any]:
+    """The offline run's history rows, summary and saved files (run folder `folder`, W&B's
+    folder of the run `name`: the only one by default)."""
+    (run_file,) = folder.glob(f"wandb/{name}/run-*.wandb")
     history, summary, files = [], {}, []
     for r in read_wandb_records(run_file):
         kind = r.WhichOneof("record_type")

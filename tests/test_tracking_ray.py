@@ -1,7 +1,7 @@
 """Tracked runs on a real local Ray cluster: a run with a crash in it, logged to an MLflow file store
 and to W&B offline, shows one tracked run with every step once (the latest attempt's), the
 evaluations, the summary and the report's plots; a tracking server that refuses connections costs
-the run nothing but a warning."""
+the run nothing but a warning; a resume continues the same tracked runs."""
 
 from __future__ import annotations
 
@@ -77,6 +77,22 @@ def test_a_crashed_run_is_one_tracked_run_with_each_step_once_in_mlflow_and_wand
     assert not [e for e in events if e["event"] == "tracking_warning"]
     (finished,) = [e for e in events if e["event"] == "tracking_finished"]
     assert finished["complete"], finished
+
+    # a resume (more steps) continues the same tracked runs
+    more = run(tmp_path, held_out_dataset, "tracked", "eval.fraction=0.1", "eval.every_steps=5",
+               f"log.mlflow={uri}", "log.wandb=proj", "train.max_steps=18")
+    assert more.summary["status"] == "finished"
+    steps = effective_records([r for r in records(more) if "eval_loss" not in r])
+    assert sorted(steps) == list(range(1, 19))
+    assert json.loads((Path(more.run_dir) / "tracking.json").read_text())["mlflow"] == state["mlflow"]
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+    loss = [(m.step, m.value) for m in client.get_metric_history(state["mlflow"], "loss")]
+    assert loss == [(s, r["loss"]) for s, r in steps.items()]
+    assert client.get_run(state["mlflow"]).data.params["train.max_steps"] == "14"  # params stay
+    (second,) = [d for d in Path(more.run_dir).glob("wandb/offline-run-*") if d != wb["dir"]]
+    assert second.name.endswith(wb["dir"].name.rsplit("-", 1)[1])  # the same W&B run id
+    resumed = [r for r in wandb_run(second.parent.parent, second.name)["history"] if "loss" in r]
+    assert [h["step"] for h in resumed] == [15, 16, 17, 18]
 
 
 def test_a_tracking_server_that_refuses_connections_costs_the_run_a_warning(
