@@ -123,7 +123,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import AllreduceOptions
-from elastic_train.recovery.inplace import build_process_group
+from elastic_train.recovery.replica import build_process_group
 
 rank, port, late = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 # both up before the rendezvous (their imports take seconds apart on a loaded machine)

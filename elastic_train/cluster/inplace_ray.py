@@ -18,7 +18,7 @@ from ray.train.v2.torch.torchft_config import LighthouseServerActor, TorchftConf
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic_train.config import Config
-from elastic_train.recovery.inplace import QUIET_RUST_LOG
+from elastic_train.recovery.replica import QUIET_RUST_LOG
 
 GROUP_ENV = "ELASTIC_TRAIN_GROUP"  # set by InPlaceBackend: a group start's token, or JOINING
 JOINING = "join"
