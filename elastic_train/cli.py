@@ -3,7 +3,7 @@
     elastic-train train [--config FILE.yaml] [--verbose] [dotted.key=value ...]
     elastic-train prepare INPUT... --output DIR [--max-seq-len N] [--eval-fraction F]
                           [--engine auto|ray|local]
-    elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME]
+    elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME] [--merge]
     elastic-train sample RUN_FOLDER --prompt TEXT [--max-new-tokens N]
     elastic-train report RUN_FOLDER
 
@@ -58,7 +58,7 @@ def _prepare(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from elastic_train.export import export
 
-    print(f"exported to {export(args.run_folder, args.output, args.checkpoint)}")
+    print(f"exported to {export(args.run_folder, args.output, args.checkpoint, merge=args.merge)}")
     return 0
 
 
@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="new (or empty) folder to write")
     p.add_argument("--checkpoint", default=None, 
                    help="checkpoint folder name (default: the best kept, else the newest)")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA run: the adapters merged into the base, a folder from_pretrained "
+                        "loads alone (default: the adapters, for PeftModel.from_pretrained)")
     p.set_defaults(func=_export)
     p = sub.add_parser("sample", help="print a continuation of a prompt by the trained model")
     p.add_argument("run_folder")

@@ -1,6 +1,6 @@
 """What a run trained, out of the run folder: `export` to a folder other tools load, `sample` text.
 
-    elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME]
+    elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME] [--merge]
     elastic-train sample RUN_FOLDER --prompt TEXT [--max-new-tokens N]
 
 The model is rebuilt from the run's resolved `config.yaml` (or the caller's `model_fn`, for runs
@@ -9,8 +9,12 @@ loss) when the run kept it (`checkpoint.keep_best`), else the newest, unless `ch
 another. For `model.name=hf` the export is a folder that
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads (`save_pretrained`: safetensors,
 tied weights handled), with the data set's tokenizer beside it for `AutoTokenizer`; for any other
-model `model.safetensors`, the resolved `config.yaml` and the tokenizer's copy. The output is
-written in a scratch folder renamed into place: an existing folder is never overwritten.
+model `model.safetensors`, the resolved `config.yaml` and the tokenizer's copy. A LoRA run
+(`model.lora.r > 0`) exports its adapters (peft's `adapter_config.json` and
+`adapter_model.safetensors`, naming model.path as the base: `PeftModel.from_pretrained(base, DIR)`
+loads them), or with `merge` the adapters merged into the base, written as above (a folder
+`from_pretrained` loads alone). The output is written in a scratch folder renamed into place: an
+existing folder is never overwritten.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from elastic_train.training.checkpoint import (
     read_state,
     signature_mismatch,
 )
+from elastic_train.training.lora import LoraModel
 from elastic_train.training.losses import (
     forward,
 )
@@ -118,17 +123,26 @@ def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
 
 
 def export(run_folder: str | os.PathLike, output: str | os.PathLike, checkpoint: str | None = None,
-           model_fn: ModelFn | None = None) -> Path:
+           model_fn: ModelFn | None = None, merge: bool = False) -> Path:
     """Write the trained model of `run_folder` to `output` (see the module docstring)."""
     out = Path(output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"output '{out}' already exists and is not an empty folder; refusing to "
                          "overwrite it")
     trained = load_trained(run_folder, checkpoint, model_fn)
+    lora = isinstance(trained.model, LoraModel)
+    if merge and not lora:
+        raise ValueError(f"--merge: run '{run_folder}' trained no LoRA adapters (model.lora.r is 0): "
+                         "its export is the whole model already")
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        _write_export(trained, scratch)
+        if lora and not merge:
+            _write_adapters(trained, scratch)
+        else:
+            if lora:
+                trained.model = trained.model.peft.merge_and_unload()
+            _write_export(trained, scratch)
         _open_to_umask(scratch)
         if out.exists():
             out.rmdir()  # empty, checked above
@@ -160,6 +174,17 @@ def _open_to_umask(folder: Path) -> None:
         os.chmod(root, 0o777 & ~mask)
         for name in names:
             os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
+def _write_adapters(trained: TrainedModel, folder: Path) -> None:
+    """A LoRA run's adapters as peft saves them, model.path named as their base, and the
+    tokenizer beside them."""
+    peft_model = trained.model.peft
+    for settings in peft_model.peft_config.values():
+        settings.base_model_name_or_path = trained.config.model.path
+    peft_model.save_pretrained(str(folder), safe_serialization=True)
+    if trained.tokenizer.kind == "hf":
+        trained.tokenizer.save_for_transformers(folder)
 
 
 def _write_export(trained: TrainedModel, folder: Path) -> None:
