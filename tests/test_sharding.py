@@ -1,18 +1,33 @@
 """train.sharding=fsdp over real gloo processes: exact mode is the same to the bit at W = 1, 2, 3
-as one process, and its checkpoints load at any world size and across sharding=none <-> fsdp.
+as one process, its checkpoints load at any world size and across sharding=none <-> fsdp, a
+non-finite gradient in one rank's shard skips the step on every rank, and activation
+checkpointing and bf16 compute as the unsharded run with the same setting.
 
-One module fixture runs the three worlds (W=2 first: it writes the checkpoint the others resume);
-each test asserts one property of what they saved."""
+Two module fixtures: `worlds` runs the three worlds (W=2 first: it writes the checkpoint the
+others resume), `settings` one W=2 world through the other settings; each test asserts one
+property of what they saved. The ranks fork from a server that imported torch and FSDP once
+(ranks.py): spawning them cost 20-25 s of the 2-core machine's time, forking about 1 s.
+
+Tolerance, ddp reduction with bf16 (the others are torch.equal): relative loss difference at
+each step < 1e-2 against the unsharded bf16 run. FSDP's bf16 policy casts the parameters
+themselves to bf16 (embeddings and layer norms too, which autocast leaves in fp32) and
+accumulates the micro-batches' unsharded gradients in bf16 (unit round-off 2^-8 ~ 3.9e-3), so
+the two runs agree to a few bf16 ulps, not bits; a loss is a mean over hundreds of tokens, so
+that rounding moves it by far less than 1e-2, while a real bug (a lost gradient scale, a skipped
+or doubled micro-batch, a wrong sum) moves it by 5-50%.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import math
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from ranks import run_ranks
-from test_dist import DROPOUT_MODEL, exact_grads, global_batch
+from test_dist import DROPOUT_MODEL, global_batch
 
 from elastic_train.config import OptimConfig
 from elastic_train.training.checkpoint import (
@@ -24,29 +39,40 @@ from elastic_train.training.checkpoint import (
 from elastic_train.training.losses import LossModule
 from elastic_train.training.model import build_model
 from elastic_train.training.optim import build_optimizer
+from elastic_train.training.reduce import ExactGradSum
 from elastic_train.training.sharding import load_sharded_checkpoint, shard_model, sharded_snapshot
-from elastic_train.training.step import StepSetup, TrainState, forward_backward, train_step
+from elastic_train.training.step import (
+    StepSetup,
+    TrainState,
+    forward_backward,
+    poison_gradient,
+    train_step,
+)
 
 pytestmark = pytest.mark.dist
 
 PARTITIONS = 5  # uneven at W = 2 and 3: some ranks run dry micro-batches to join each reduce-scatter
-STEPS, SAVE_AT = 4, 2
+STEPS, SAVE_AT, POISON_AT = 4, 2, 1
 CPU = torch.device("cpu")
+CHECKPOINTED = replace(DROPOUT_MODEL, gradient_checkpointing=True)
+SETTINGS = {"checkpointing": {"model_cfg": CHECKPOINTED}, "bf16": {"precision": "bf16"}}
 
 
 def batches(step: int):
     return global_batch(PARTITIONS, seed=step)
 
 
-def build_sharded(world_size: int):
+def build_sharded(world_size: int, *, exact: bool = True, precision: str = "fp32",
+                  model_cfg=DROPOUT_MODEL):
     torch.manual_seed(0)
-    model = build_model(DROPOUT_MODEL, 64)
+    model = build_model(model_cfg, 64)
     root = LossModule(model)
-    sharded = shard_model(root, model, exact=True, precision="fp32", reshard_after_forward=True,
-                          shard_modules=[], device=CPU)
+    sharded = shard_model(root, model, exact=exact, precision=precision,
+                          reshard_after_forward=True, shard_modules=[], device=CPU)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0), use_gpu=False)
     # a small clip: every step is clipped, so the W-independent norm is what the update uses
-    setup = StepSetup(device=CPU, world_size=world_size, grad_clip=0.05, seed=3, sharded=sharded)
+    setup = StepSetup(device=CPU, world_size=world_size, precision=precision, grad_clip=0.05,
+                      seed=3, sharded=sharded)
     return model, root, optimizer, setup
 
 
@@ -55,39 +81,62 @@ def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-def train(rank, world_size, model, root, optimizer, setup, start: int, save_to: Path | None = None):
-    for step in range(start, STEPS):
+def train(rank, world_size, model, root, optimizer, setup, steps, save_to: Path | None = None,
+          poison_at: int | None = None) -> list[tuple[float, bool]]:
+    """Train `steps` (global step numbers); at `poison_at` the last rank's shard of the first
+    gradient is made NaN. Returns each step's (loss, skipped) as this rank saw it."""
+    seen = []
+    for step in steps:
         mbs = batches(step)
         mine = [mb for mb in mbs if mb.partition % world_size == rank]
-        train_step(root, model, optimizer, mine, setup=setup, data_targets=sum(mb.targets for mb in mbs),
-                   step=step, lr=1e-2)
+        bad = poison_gradient if step == poison_at and rank == world_size - 1 else None
+        result = train_step(root, model, optimizer, mine, setup=setup, step=step, lr=1e-2,
+                            data_targets=sum(mb.targets for mb in mbs), poison=bad)
+        seen.append((result.loss, result.skipped))
         if save_to is not None and step + 1 == SAVE_AT:
             snap = sharded_snapshot(model, optimizer, asdict(TrainState(step=SAVE_AT)), {},
                                     shard=rank, shards=world_size)
             write_checkpoint(snap, save_to)
+    return seen
 
 
-def _worker(rank: int, world_size: int, out: str, fsdp_ckpt: str, none_ckpt: str) -> None:
-    results = {}
-    model, root, optimizer, setup = build_sharded(world_size)
+def step_one_grads(rank: int, world_size: int, **build) -> dict[str, torch.Tensor]:
+    """Step one's summed gradient, whole, as float32 values."""
+    model, root, _, setup = build_sharded(world_size, **build)
     mbs = batches(0)
     forward_backward(root, [mb for mb in mbs if mb.partition % world_size == rank], setup=setup,
                      global_targets=sum(mb.targets for mb in mbs), step=17)
-    results["grads"] = {n: p.grad.full_tensor().float() for n, p in model.named_parameters()}
-    optimizer.zero_grad(set_to_none=True)
+    return {n: p.grad.full_tensor().float() for n, p in model.named_parameters()}
+
+
+def _worker(rank: int, world_size: int, out: str, fsdp_ckpt: str, none_ckpt: str) -> None:
+    results = {"grads": step_one_grads(rank, world_size)}
     writer = world_size == 2
-    train(rank, world_size, model, root, optimizer, setup, 0, Path(fsdp_ckpt) if writer else None)
+    model, root, optimizer, setup = build_sharded(world_size)
+    train(rank, world_size, model, root, optimizer, setup, range(STEPS),
+          Path(fsdp_ckpt) if writer else None)
     results["final"] = full(model)
     if not writer:  # resume the W=2 checkpoint at this world size
         model, root, optimizer, setup = build_sharded(world_size)
         assert load_sharded_checkpoint(fsdp_ckpt, model, optimizer)["step"] == SAVE_AT
-        train(rank, world_size, model, root, optimizer, setup, SAVE_AT)
+        train(rank, world_size, model, root, optimizer, setup, range(SAVE_AT, STEPS))
         results["resumed"] = full(model)
         model, _, optimizer, _ = build_sharded(world_size)  # an unsharded run's checkpoint
         load_sharded_checkpoint(none_ckpt, model, optimizer)
         results["from_none"] = full(model)
         results["from_none_moments"] = {
             n: optimizer.state[p]["exp_avg"].full_tensor() for n, p in model.named_parameters()}
+    # the NaN policy: the last rank's shard poisoned after the reduction at step POISON_AT
+    model, root, optimizer, setup = build_sharded(world_size)
+    seen = train(rank, world_size, model, root, optimizer, setup, range(STEPS), poison_at=POISON_AT)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, seen)
+    results["poisoned_steps"], results["poisoned"] = everyone, full(model)
+    if world_size == 1:  # a run that never trained step POISON_AT: what a skip must leave
+        model, root, optimizer, setup = build_sharded(world_size)
+        train(rank, world_size, model, root, optimizer, setup,
+              [s for s in range(STEPS) if s != POISON_AT])
+        results["without_step"] = full(model)
     if rank == 0:
         torch.save(results, f"{out}.{world_size}")
 
@@ -110,17 +159,28 @@ def worlds(tmp_path_factory):
     out, fsdp_ckpt, none_ckpt = str(tmp / "out"), tmp / "fsdp_ckpt", tmp / "none_ckpt"
     none_model, none_optimizer = none_checkpoint(none_ckpt)
     for world_size in (2, 3, 1):
-        run_ranks(_worker, world_size, tmp, out, str(fsdp_ckpt), str(none_ckpt))
+        run_ranks(_worker, world_size, tmp, out, str(fsdp_ckpt), str(none_ckpt),
+                  start_method="forkserver")
     return {w: torch.load(f"{out}.{w}") for w in (1, 2, 3)}, fsdp_ckpt, none_model, none_optimizer
+
+
+def exact_grads(model_cfg=DROPOUT_MODEL, precision: str = "fp32") -> dict[str, torch.Tensor]:
+    """Step one's gradient by the unsharded exact reduction in this one process."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model(model_cfg, 64)
+    reducer = ExactGradSum(model, CPU)
+    setup = StepSetup(device=CPU, world_size=1, precision=precision, exact=reducer, seed=3)
+    mbs = batches(0)
+    forward_backward(LossModule(model), mbs, setup=setup, global_targets=sum(mb.targets for mb in mbs),
+                     step=17)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def test_exact_fsdp_gradient_is_one_processs_to_the_bit(worlds):
     """Step one's gradient, sharded at W = 1, 2, 3, equals the unsharded exact reduction's."""
-    results = worlds[0]
-    torch.set_num_threads(1)
-    mbs = batches(0)
-    ref = exact_grads(mbs, sum(mb.targets for mb in mbs))
-    for world_size, saved in results.items():
+    ref = exact_grads()
+    for world_size, saved in worlds[0].items():
         for name, g in ref.items():
             assert torch.equal(saved["grads"][name], g), (world_size, name)
 
@@ -164,3 +224,85 @@ def test_checkpoints_load_across_sharding_none_and_fsdp(worlds):
         assert saved[name].dtype == torch.float64 and torch.equal(p, saved[name].float())
         state = optimizer.state[p]
         assert state["exp_avg"].dtype == torch.float32 and float(state["step"]) == SAVE_AT
+
+
+def test_a_nan_in_one_ranks_shard_skips_the_step_on_every_rank(worlds):
+    """The last rank's rows go bad after the reduction (the others' stay finite): the global
+    norm is non-finite on every rank, so every rank skips that step and no other, and the run
+    ends where a run that never trained that step does, to the bit, at W = 1, 2, 3."""
+    results = worlds[0]
+    expected = [s == POISON_AT for s in range(STEPS)]
+    for world_size, saved in results.items():
+        ranks = saved["poisoned_steps"]
+        assert len(ranks) == world_size
+        for seen in ranks:
+            assert [skipped for _, skipped in seen] == expected, world_size
+            assert seen == ranks[0] and all(math.isfinite(loss) for loss, _ in seen)
+        for name, p in results[1]["without_step"].items():
+            assert torch.equal(saved["poisoned"][name], p), (world_size, name)
+    assert any(not torch.equal(results[1]["without_step"][n], p)
+               for n, p in results[1]["final"].items())  # the skipped step would have moved it
+
+
+def _settings_worker(rank: int, world_size: int, out: str) -> None:
+    results = {name: step_one_grads(rank, world_size, **build) for name, build in SETTINGS.items()}
+    for precision in ("fp32", "bf16"):  # the ddp reduction (GPU speed) in each precision
+        model, root, optimizer, setup = build_sharded(world_size, exact=False, precision=precision)
+        results[f"ddp_{precision}"] = train(rank, world_size, model, root, optimizer, setup,
+                                            range(STEPS))
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_settings")
+    run_ranks(_settings_worker, 2, tmp, str(tmp / "out"), start_method="forkserver")
+    return torch.load(tmp / "out")
+
+
+def test_activation_checkpointing_with_fsdp_is_the_unsharded_gradient_to_the_bit(settings):
+    """model.gradient_checkpointing: each block's recompute in backward gathers its weights
+    again and replays its dropout masks (the RNG state is saved with the activations)."""
+    ref = exact_grads(CHECKPOINTED)
+    for name, g in ref.items():
+        assert torch.equal(settings["checkpointing"][name], g), name
+
+
+def test_bf16_exact_fsdp_is_the_unsharded_bf16_gradient_to_the_bit(settings):
+    """train.precision=bf16, exact: FSDP gathers the float64 master as float32 and autocast
+    computes in bf16 exactly as it does on the unsharded model's float32 weights; each
+    micro-batch's float32 gradient is reduce-scattered and summed in float64."""
+    ref, fp32 = exact_grads(precision="bf16"), exact_grads()
+    for name, g in ref.items():
+        assert torch.equal(settings["bf16"][name], g), name
+    assert any(not torch.equal(ref[n], g) for n, g in fp32.items())  # bf16 computed in bf16
+
+
+def unsharded_losses(precision: str) -> list[float]:
+    """The same steps by one unsharded process (float32 weights, autocast in `precision`)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model(DROPOUT_MODEL, 64)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0), use_gpu=False)
+    setup = StepSetup(device=CPU, world_size=1, precision=precision, grad_clip=0.05, seed=3)
+    losses = []
+    for step in range(STEPS):
+        mbs = batches(step)
+        result = train_step(LossModule(model), model, optimizer, mbs, setup=setup, step=step,
+                            lr=1e-2, data_targets=sum(mb.targets for mb in mbs))
+        losses.append(result.loss)
+    return losses
+
+
+def test_ddp_reduction_with_fsdp_follows_the_unsharded_run(settings):
+    """fsdp's ddp reduction (fp32 reduce-scatter; bf16 parameters under train.precision=bf16)
+    against one unsharded process: fp32 to float32 round-off, bf16 within the module
+    docstring's tolerance, and bf16 really computing in bf16."""
+    fp32, bf16 = unsharded_losses("fp32"), unsharded_losses("bf16")
+    sharded_fp32 = [loss for loss, _ in settings["ddp_fp32"]]
+    sharded_bf16 = [loss for loss, _ in settings["ddp_bf16"]]
+    assert not any(skipped for _, skipped in settings["ddp_fp32"] + settings["ddp_bf16"])
+    assert sharded_fp32 == pytest.approx(fp32, rel=1e-5)
+    assert sharded_bf16 == pytest.approx(bf16, rel=1e-2)
+    assert sharded_bf16[0] != sharded_fp32[0]

@@ -32,6 +32,7 @@ from elastic_train.data.rowgroups import BlockTable, DataError
 from elastic_train.observe.provenance import versions
 from elastic_train.recovery import checkpoints as in_place_checkpoints
 from elastic_train.training.checkpoint import BestCheckpointWriter, write_checkpoint
+from elastic_train.training.step import poison_gradient
 from elastic_train.training.watchdog import StepWatchdog, Verdict
 
 CRASH_COMMIT_WAIT_S = 120.0  # fault hooks: the longest wait for a checkpoint's commit
@@ -520,7 +521,7 @@ class RayWorkerEnv:
         if f.nan_at_step != step or f.nan_rank != self.world_rank:
             return
         if f.nan_repeat or ray.get(self.runlog.claim_fault.remote(f"nan@{step}")):
-            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+            poison_gradient(model)  # this rank's own rows when sharded
 
     def handle_nonfinite(self, step: int, micro_batches) -> None:
         """Too many non-finite steps in a row: roll back once (restart from the last checkpoint);

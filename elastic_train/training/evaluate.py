@@ -62,8 +62,7 @@ def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, par
                 if max_batches is not None and j >= max_batches:
                     break
                 sharded = setup.sharded
-                rounds = len(micro_batches) if sharded is None else sharded.rounds(
-                    len(micro_batches), everywhere=True)
+                rounds = len(micro_batches) if sharded is None else sharded.rounds(len(micro_batches))
                 if not rounds:
                     break
                 for _ in range(rounds - len(micro_batches)):

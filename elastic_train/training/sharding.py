@@ -30,7 +30,8 @@ Memory with AdamW: float64 master, gradient and two moments, 32 bytes a paramete
 `ddp` (GPU speed): float32 parameters, gradients reduce-scattered in fp32 (bf16 parameters for
 compute with `train.precision=bf16`), synced on a step's last micro-batch only
 (`set_requires_gradient_sync`): 16 bytes a parameter over W, plus the unsharded gradient of the
-micro-batches before the last.
+micro-batches before the last. Every forward gathers blocks from all ranks, so here too each rank
+runs as many micro-batches as the rank with the most (`rounds`), the extra ones dry.
 
 Checkpoints: each rank copies its own rows (`sharded_snapshot`) and writes them in parallel, in
 the usual files and manifests (checkpoint.py); `load_sharded_checkpoint` takes this rank's rows
@@ -141,12 +142,11 @@ class ShardedReduce:
             total += p.shape[0] if p.dim() else 1
         self.total_rows = total
 
-    def rounds(self, local: int, everywhere: bool = False) -> int:
-        """How many backwards (or, `everywhere`, forwards) this rank runs for its `local`
-        micro-batches: exact reduce-scatters every one, so all ranks run the most any rank has;
-        ddp syncs once, on the last (a dry rank still runs one)."""
-        if not (self.exact or everywhere):
-            return max(local, 1)
+    def rounds(self, local: int) -> int:
+        """How many forwards and backwards this rank runs for its `local` micro-batches: the
+        most any rank has. Each forward all-gathers its blocks from every rank (a collective,
+        whether or not its backward syncs), so every rank runs as many, the extra ones dry;
+        exact reduce-scatters after every backward, ddp after the last."""
         count = torch.tensor([local], dtype=torch.int64, device=self.device)
         if is_distributed():
             dist.all_reduce(count, op=dist.ReduceOp.MAX)

@@ -158,8 +158,9 @@ def dry_backward(model: torch.nn.Module, setup: StepSetup, template: MicroBatch 
 def sharded_forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch], *,
                              setup: StepSetup, scale: float, step: int,
                              dry_template: MicroBatch | None) -> tuple[torch.Tensor, float]:
-    """train.sharding=fsdp: this rank's micro-batches, then dry ones up to `rounds` (a
-    reduce-scatter is a collective every rank joins), then the gradient finished (sharding.py)."""
+    """train.sharding=fsdp: this rank's micro-batches, then dry ones up to `rounds` (each
+    forward's all-gather, and each reduce-scatter, is a collective every rank joins), then the
+    gradient finished (sharding.py)."""
     sharded = setup.sharded
     rounds = sharded.rounds(len(micro_batches))
     total, targets = accumulate(model, micro_batches, setup=setup, scale=scale, step=step,
@@ -199,6 +200,19 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], *, setup
     return total, targets
 
 
+def poison_gradient(model: torch.nn.Module, value: float = float("nan")) -> None:
+    """Test hook (`fault.nan_at_step`): write `value` into the first element of this rank's
+    first gradient, after the reduction, so that this rank alone holds a bad value. Sharded, a
+    gradient is this rank's rows (a DTensor's local part): the first parameter of which it holds
+    any, so the other ranks' shards stay finite."""
+    for p in model.parameters():
+        grad = p.grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if local is not None and local.numel():
+            local.view(-1)[0] = value
+            return
+
+
 def optimizer_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -209,7 +223,14 @@ def optimizer_step(
     sharded: ShardedReduce | None = None,
 ) -> tuple[float, float, bool]:
     """Clip and step unless any rank saw a non-finite gradient: (loss sum, grad norm, skipped).
-    Sharded, the norm is the global one, summed in an order that does not depend on W."""
+
+    Every rank must decide alike, or one steps while another does not. Unsharded, each rank's
+    norm is of its own copy of the gradient (a copy may go bad after the reduction), so the
+    flag is all-reduced. Sharded, a rank holds only its rows, which may be finite while another
+    rank's are not; the norm is the global one (`ShardedReduce.grad_norm` all-reduces every
+    row's sum of squares, and a NaN or inf anywhere makes the norm non-finite on every rank),
+    summed in an order that does not depend on W: every rank sees the same norm, so the same
+    decision."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     if sharded is not None:
