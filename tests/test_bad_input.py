@@ -297,6 +297,10 @@ CASES = [
     Case("train.powersgd_warmup_steps=1", train("train.powersgd_warmup_steps=1"),
          "train.powersgd_warmup_steps"),
     Case("train.ddp_bucket_mb=0", train("train.ddp_bucket_mb=0"), "train.ddp_bucket_mb"),
+    # refused on the driver's meta model, naming the missing one and the model's own classes
+    Case("model.shard_modules names no module", train(
+        "train.sharding=fsdp", "model.shard_modules=[Block, Blok]"),
+        "model.shard_modules: no module of class Blok in GPT (its classes: Block, "),
     Case("data.seed<0", train("data.seed=-1"), "data.seed"),
     Case("data.max_seq_len=1", train("data.max_seq_len=1"), "data.max_seq_len"),
     Case("data.micro_batch_tokens<max_seq_len", train("data.micro_batch_tokens=100"),

@@ -25,7 +25,13 @@ from elastic_train.preflight.resolve import resolve_config
 from elastic_train.preflight.resume import check_resumable
 from elastic_train.preflight.vocab import check_model_tokenizer
 from elastic_train.training.checkpoint import model_signature
-from elastic_train.training.model import BYTE_VOCAB, ModelFn, build_meta_model, input_embedding_rows
+from elastic_train.training.model import (
+    BYTE_VOCAB,
+    ModelFn,
+    build_meta_model,
+    input_embedding_rows,
+    missing_module_classes,
+)
 
 logger = logging.getLogger("elastic_train")
 
@@ -165,6 +171,10 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     except ValueError as exc:
         raise ConfigError(f"data.path: {exc}") from None
     model = meta_model(cfg, model_fn)
+    if cfg.train.sharding == "fsdp":  # a class name that matches no module: before any worker
+        missing = missing_module_classes(model, cfg.model.shard_modules)
+        if missing:
+            raise ConfigError(missing)
     check_model_tokenizer(cfg, info)
     check_model_fits_data(cfg, info, model)
     if tables.eval_info is not None:

@@ -62,6 +62,7 @@ from elastic_train.training.checkpoint import (
     set_rng_state,
 )
 from elastic_train.training.collectives import is_distributed, timed_all_reduce
+from elastic_train.training.model import missing_module_classes
 from elastic_train.training.reduce import ExactGradSum
 from elastic_train.training.shardfiles import ShardedFiles, row_range, sharding_of
 
@@ -78,12 +79,11 @@ def find_blocks(model: nn.Module, names: list[str]) -> list[nn.Module]:
     `names` (model.shard_modules), else of a transformers model's `_no_split_modules` (its decoder
     layers), else the children of the model's largest nn.ModuleList (the GPT's blocks); none
     (only the root is sharded) when the model has no ModuleList."""
+    missing = missing_module_classes(model, names)
+    if missing:
+        raise ValueError(missing)
     wanted = list(names) or list(getattr(model, "_no_split_modules", None) or [])
     found = [m for m in model.modules() if m is not model and type(m).__name__ in wanted]
-    if names and not found:
-        classes = sorted({type(m).__name__ for m in model.modules()})
-        raise ValueError(f"model.shard_modules: no module of class {', '.join(names)} in "
-                         f"{type(model).__name__} (its classes: {', '.join(classes)})")
     if found:
         return found
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
