@@ -22,7 +22,7 @@ from elastic_train.api import train
 from elastic_train.config import config_from_dict
 from elastic_train.data.batches import MicroBatch
 from elastic_train.data.prepare import prepare
-from elastic_train.export import export, load_trained
+from elastic_train.export import export, generate, load_trained
 from elastic_train.training.checkpoint import read_shards
 from elastic_train.training.lora import BASE_KEY
 from elastic_train.training.losses import causal_lm_loss
@@ -136,6 +136,7 @@ def test_exports_load_with_peft_and_from_pretrained_and_give_the_eval_loss(
     run_loss = result.summary["final_eval_loss"]
     trained = load_trained(result.run_dir)
     assert eval_loss(trained.model, sft_dataset) == pytest.approx(run_loss, rel=1e-5)
+    assert generate(trained, "Next line after: ", max_new_tokens=4, temperature=0) is not None
 
     export(result.run_dir, tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
