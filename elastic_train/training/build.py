@@ -64,7 +64,9 @@ def check_fits_device(model: torch.nn.Module, cfg: Config, device: torch.device,
         dist = torch.distributed
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         per_param = sharded_bytes_per_param(grad_reduce, world_size)
-    needed = count_parameters(model) * per_param
+    # A frozen parameter (LoRA's base) costs its own bytes only: no gradient, state or buffer.
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    needed = sum(p.numel() for p in model.parameters() if p.requires_grad) * per_param + frozen
     total = torch.cuda.get_device_properties(device).total_memory
     if needed > total:
         raise ModelTooLargeError(
