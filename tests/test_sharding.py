@@ -19,6 +19,7 @@ or doubled micro-batch, a wrong sum) moves it by 5-50%.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -26,11 +27,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import TINY
+from localenv import LocalEnv, train_locally
 from ranks import run_ranks
 from test_dist import DROPOUT_MODEL, global_batch
 
-from elastic_train.config import OptimConfig
+from elastic_train.config import OptimConfig, load_config
+from elastic_train.export import load_trained
 from elastic_train.training.checkpoint import (
+    BEST_POINTER,
     load_checkpoint,
     read_shards,
     snapshot,
@@ -306,3 +311,49 @@ def test_ddp_reduction_with_fsdp_follows_the_unsharded_run(settings):
     assert sharded_fp32 == pytest.approx(fp32, rel=1e-5)
     assert sharded_bf16 == pytest.approx(bf16, rel=1e-2)
     assert sharded_bf16[0] != sharded_fp32[0]
+
+
+class RankEnv(LocalEnv):
+    """`LocalEnv` as one rank of the gloo group that run_ranks made: the real loop, its
+    evaluation and best checkpoints, at W > 1 without Ray."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.world_rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+
+def best_config(data: str):
+    return load_config(None, [*TINY, f"data.path={data}", "eval.fraction=0.1", "eval.every_steps=3",
+                              "eval.max_batches=2", "train.max_steps=7", "checkpoint.keep_best=true",
+                              "train.sharding=fsdp"])
+
+
+def _best_worker(rank: int, world_size: int, data: str, folder: str) -> None:
+    env = train_locally(best_config(data), folder=folder, env_cls=RankEnv)
+    if rank == 0:
+        Path(folder, "evals.json").write_text(json.dumps(env.evals))
+
+
+def test_keep_best_with_fsdp_writes_every_ranks_rows_and_export_loads_them(held_out_dataset,
+                                                                             tmp_path):
+    """checkpoint.keep_best at W=2: each rank writes its rows of the best checkpoint into one
+    folder; rank 0 points best_checkpoint.json at it once every rank's are written (a barrier),
+    and deletes the previous best; the run's export loads it whole."""
+    run_ranks(_best_worker, 2, tmp_path, held_out_dataset, str(tmp_path), start_method="forkserver")
+    evals = json.loads((tmp_path / "evals.json").read_text())
+    assert [e["step"] for e in evals] == [3, 6, 7]
+    best = min(evals, key=lambda e: e["eval_loss"])
+    pointer = json.loads((tmp_path / BEST_POINTER).read_text())
+    assert pointer == {"checkpoint": f"best_checkpoint_{best['step']:09d}", "step": best["step"],
+                       "eval_loss": best["eval_loss"]}
+    assert [p.name for p in tmp_path.glob("best_checkpoint_*")] == [pointer["checkpoint"]]
+    state = json.loads((tmp_path / pointer["checkpoint"] / "state.json").read_text())
+    assert state["sharding"] == "fsdp" and state["shards"] == 2
+    assert state["train_state"]["step"] == best["step"]
+    assert state["train_state"]["best_eval_loss"] == best["eval_loss"]
+    (tmp_path / "config.yaml").write_text(best_config(held_out_dataset).to_yaml())
+    trained = load_trained(tmp_path)
+    assert trained.checkpoint.name == pointer["checkpoint"]
+    saved = read_shards(trained.checkpoint, "model")  # both ranks' rows, assembled
+    for name, p in trained.model.named_parameters():
+        assert torch.equal(p, saved[name].float()), name

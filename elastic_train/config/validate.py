@@ -168,9 +168,6 @@ def _validate_sharding(cfg: Config) -> None:
              "and export read whole tensors of one process, fsdp's are rows of every rank; a "
              "LoRA run's optimizer state is small, so use train.sharding=none (a bf16 base: "
              "model.base_dtype=bf16)")
-    _require(not cfg.checkpoint.keep_best,
-             "checkpoint.keep_best with train.sharding=fsdp is not supported yet: a best checkpoint "
-             "is written by rank 0 alone, and with fsdp every rank holds a part of the model")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import random
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -306,17 +307,35 @@ def write_best(snap: dict[str, Any], fs: pafs.FileSystem, run_path: str, step: i
     is replaced to name it, then the previous best is deleted: a crash at any point leaves a
     pointer to a complete folder (or none yet). Ray's own retention never sees these folders, so
     it cannot delete the best when it is older than the newest `checkpoint.keep`."""
-    name = f"best_checkpoint_{step:09d}"
-    target = f"{run_path}/{name}"
-    previous = read_best_pointer(fs, run_path)
+    write_best_files(snap, fs, run_path, step, clean=True)
+    return commit_best(fs, run_path, step, eval_loss)
+
+
+def _best_name(step: int) -> str:
+    return f"best_checkpoint_{step:09d}"
+
+
+def write_best_files(snap: dict[str, Any], fs: pafs.FileSystem, run_path: str, step: int,
+                     clean: bool) -> None:
+    """Write one rank's share `snap` into the best checkpoint folder of `step`; `clean` first
+    removes what a crashed earlier attempt left there (only when one rank writes the folder)."""
+    target = f"{run_path}/{_best_name(step)}"
     if isinstance(fs, pafs.LocalFileSystem):
-        shutil.rmtree(target, ignore_errors=True)  # a crashed earlier attempt's half
+        if clean:
+            shutil.rmtree(target, ignore_errors=True)  # a crashed earlier attempt's half
         write_checkpoint(snap, target)
     else:
         with tempfile.TemporaryDirectory(prefix="elastic-train-best-") as local:
             write_checkpoint(snap, local)
             fs.create_dir(target, recursive=True)
             pafs.copy_files(local, target, destination_filesystem=fs)
+
+
+def commit_best(fs: pafs.FileSystem, run_path: str, step: int, eval_loss: float) -> str:
+    """Point `best_checkpoint.json` at the (complete) best folder of `step`, then delete the
+    previous best. Returns the folder's name."""
+    name = _best_name(step)
+    previous = read_best_pointer(fs, run_path)
     pointer = json.dumps({"checkpoint": name, "step": step, "eval_loss": eval_loss})
     with fs.open_output_stream(f"{run_path}/{BEST_POINTER}.tmp") as f:
         f.write(pointer.encode())
@@ -359,6 +378,20 @@ class BestCheckpointWriter:
 
         self._thread = threading.Thread(target=write, daemon=True)
         self._thread.start()
+
+    def write_shard(self, snap: dict[str, Any], step: int, eval_loss: float,
+                    barrier: Callable[[], None]) -> None:
+        """`train.sharding=fsdp`: every rank holds a part of the model, so every rank writes its
+        own rows (`sharding.sharded_snapshot`) into the one best folder, now, in the loop's
+        thread; after `barrier` (a collective: every rank's files are written), rank 0 points
+        `best_checkpoint.json` at it. The folder is not cleaned first (the ranks write into it
+        at once): a crashed attempt's files there are overwritten or, beyond the new manifest's
+        shards, ignored, and nothing reads the folder before the pointer names it."""
+        self.wait()
+        write_best_files(snap, self.fs, self.run_path, step, clean=False)
+        barrier()
+        if snap["shard"] == 0:
+            commit_best(self.fs, self.run_path, step, eval_loss)
 
     def wait(self) -> None:
         """Until the write in flight ends; raises what it raised (a full disk, say)."""

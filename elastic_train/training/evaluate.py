@@ -28,6 +28,7 @@ from elastic_train.training.losses import LossModule
 from elastic_train.training.model import (
     input_embedding_rows,
 )
+from elastic_train.training.sharding import sharded_snapshot
 from elastic_train.training.step import StepSetup, autocast_context, dry_rank_batch
 
 
@@ -88,7 +89,7 @@ def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, par
 def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], attempt: int,
              best: BestCheckpointWriter | None, log: bool) -> None:
     """Evaluate `partitions` after the current step; if `log`, log it; keep a new best
-    checkpoint through `best` if given."""
+    checkpoint through `best` if given (rank 0's alone, or with fsdp every rank's)."""
     state = t.state
     reader = make_reader(cfg.data.reader, env.eval_table, env.extra_columns,
                          input_embedding_rows(t.raw_model))
@@ -101,13 +102,21 @@ def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], at
     improved = state.best_eval_loss is None or result.loss < state.best_eval_loss
     if improved:
         state.best_eval_loss, state.best_step = result.loss, state.step
-    if not log:
+    if log:
+        env.log_eval({"step": state.step, "epoch": state.epoch, "time": time.time(),
+                      "attempt": attempt, "eval_loss": result.loss,
+                      "eval_perplexity": math.exp(min(result.loss, 700.0)),
+                      "eval_targets": result.targets, "eval_micro_batches": result.micro_batches,
+                      "eval_s": result.seconds, "best_eval_loss": state.best_eval_loss,
+                      "best_step": state.best_step})
+    if not improved or best is None:
         return
-    env.log_eval({"step": state.step, "epoch": state.epoch, "time": time.time(), "attempt": attempt,
-                  "eval_loss": result.loss, "eval_perplexity": math.exp(min(result.loss, 700.0)),
-                  "eval_targets": result.targets, "eval_micro_batches": result.micro_batches,
-                  "eval_s": result.seconds, "best_eval_loss": state.best_eval_loss,
-                  "best_step": state.best_step})
-    if improved and best is not None:
+    if t.setup.sharded is not None:  # every rank has a writer and writes its own rows
+        snap = sharded_snapshot(t.raw_model, t.optimizer, asdict(state), cfg.to_dict(),
+                                shard=env.world_rank, shards=env.world_size,
+                                provenance=env.provenance)
+        best.write_shard(snap, state.step, result.loss,
+                         barrier=lambda: all_reduce_sum([0.0], t.setup.device))
+    else:  # rank 0 alone: it holds the whole model
         best.submit(snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state),
                              cfg.to_dict(), env.world_size, env.provenance), state.step, result.loss)

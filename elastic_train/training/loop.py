@@ -108,7 +108,9 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     reader = make_reader(cfg.data.reader, env.block_table, env.extra_columns,
                          input_embedding_rows(t.raw_model))
     evaluating = env.eval_table is not None
-    best = env.best_writer() if evaluating and cfg.checkpoint.keep_best and rank == 0 else None
+    # the best checkpoint: rank 0 writes it, or with fsdp each rank its own rows (evaluate.py)
+    writes_best = rank == 0 or t.setup.sharded is not None
+    best = env.best_writer() if evaluating and cfg.checkpoint.keep_best and writes_best else None
     env.log_event({"event": "start", "attempt": attempt, "world_size": world_size,
                    "resumed_step": state.step, "rank": rank,
                    "utilisation": utilisation(num_partitions(cfg), world_size)})
