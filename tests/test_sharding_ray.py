@@ -1,5 +1,5 @@
-"""train.sharding=fsdp on a real local Ray cluster: a crash and resume, and a restart at another
-world size, each the same to the bit as a run that was never interrupted (checkpoints of each
+"""train.sharding=fsdp on a real local Ray cluster: a crash and resume, and restarts at a smaller
+and a larger world size, each the same to the bit as a run that was never interrupted (checkpoints of each
 rank's rows, resharded on load: sharding.py, shardfiles.py)."""
 
 from __future__ import annotations
@@ -40,6 +40,20 @@ def test_fsdp_restart_at_one_worker_reshards_and_follows_the_same_curve(referenc
                   "scaling.min_workers=1", "scaling.max_workers=1")
     assert resized.summary["world_sizes"] == [2, 1]
     assert_same_training(resized, reference)
+
+
+def test_fsdp_restart_at_two_workers_grows_from_one_workers_checkpoint(reference, small_dataset,
+                                                                       tmp_path):
+    """A grow (1 -> 2 workers), as a restart at a larger world size: each of the 2 ranks takes
+    its rows from the 1-worker checkpoint's one file and the run ends as the uninterrupted one,
+    to the bit. (The chaos tier's grow through add_node restarts the same way: from the latest
+    checkpoint at the new size.)"""
+    with pytest.raises(TrainingFailed):
+        run(tmp_path, small_dataset, "grow", *FSDP, "fault.crash_at_step=10",
+            "scaling.max_failures=0", "scaling.min_workers=1", "scaling.max_workers=1")
+    grown = run(tmp_path, small_dataset, "grow", *FSDP, "fault.crash_at_step=10")
+    assert grown.summary["world_sizes"] == [1, 2]
+    assert_same_training(grown, reference)
 
 
 def test_an_fsdp_llama_exports_whole_and_loads_with_from_pretrained(ray_cluster, bpe_dataset,  # noqa: F811
