@@ -126,15 +126,19 @@ def test_lora_crash_and_resume_equals_one_uninterrupted_process(
 
 def test_exports_load_with_peft_and_from_pretrained_and_give_the_eval_loss(
         ray_cluster, base_llama, sft_dataset, tmp_path):
+    """A LoRA run keeping its best checkpoint: loaded, exported as adapters (peft) and merged
+    (transformers alone), each gives the best evaluation's loss on the held-out examples."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(None, [*LORA, f"model.path={base_llama}", f"data.path={sft_dataset}",
                              f"run.storage_path={tmp_path}", "run.name=ex", "fault.crash_at_step=null",
-                             "scaling.min_workers=1", "scaling.max_workers=1", "train.max_steps=4"])
+                             "scaling.min_workers=1", "scaling.max_workers=1", "train.max_steps=4",
+                             "checkpoint.keep_best=true", "eval.every_steps=2"])
     result = train(cfg)
-    run_loss = result.summary["final_eval_loss"]
+    run_loss = result.summary["best_eval_loss"]  # export and load_trained take the best checkpoint
     trained = load_trained(result.run_dir)
+    assert trained.checkpoint.name.startswith("best_checkpoint_")
     assert eval_loss(trained.model, sft_dataset) == pytest.approx(run_loss, rel=1e-5)
     assert generate(trained, "Next line after: ", max_new_tokens=4, temperature=0) is not None
 
