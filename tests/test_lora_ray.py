@@ -152,3 +152,26 @@ def test_exports_load_with_peft_and_from_pretrained_and_give_the_eval_loss(
     assert not (tmp_path / "merged" / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     assert eval_loss(merged, sft_dataset) == pytest.approx(run_loss, rel=1e-5)
+
+
+def test_a_resume_on_another_base_stops_the_run_naming_it(ray_cluster, base_llama, sft_dataset,
+                                                          tmp_path):
+    """A LoRA run, then the same run resumed with model.path on other weights: it stops at
+    once (no retries) with the refusal, and its checkpoints are untouched."""
+    from transformers import AutoModelForCausalLM
+
+    from elastic_train.api import TrainingFailed
+
+    other = tmp_path / "other_base"
+    model = AutoModelForCausalLM.from_pretrained(base_llama)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01)
+    model.save_pretrained(other)
+    common = [*LORA, f"data.path={sft_dataset}", f"run.storage_path={tmp_path}", "run.name=b",
+              "fault.crash_at_step=null", "scaling.min_workers=1", "scaling.max_workers=1",
+              "eval.fraction=0"]
+    train(load_config(None, [*common, f"model.path={base_llama}", "train.max_steps=2"]))
+    before = sorted(p.name for p in (tmp_path / "b").glob("checkpoint_*"))
+    with pytest.raises(TrainingFailed, match="trained on another base model"):
+        train(load_config(None, [*common, f"model.path={other}", "train.max_steps=4"]))
+    assert sorted(p.name for p in (tmp_path / "b").glob("checkpoint_*")) == before

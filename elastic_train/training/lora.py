@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic_train.config import ModelConfig
+from elastic_train.config import ConfigError, ModelConfig
 
 BASE_KEY = "lora_base_sha256"  # the base's hash, a uint8 tensor of 32 bytes in the state dict
 LORA_EXTRA_HINT = "pip install 'elastic_train[lora]'"
@@ -81,11 +81,12 @@ class LoraModel(nn.Module):
         return type(full)((k, v) for k, v in full.items() if k[len(prefix):] in kept)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load adapters saved by `state_dict`, refusing those of another base (ValueError)."""
+        """Load adapters saved by `state_dict`, refusing those of another base (ConfigError)."""
         saved = state_dict.get(BASE_KEY)
         ours = getattr(self, BASE_KEY)
         if saved is not None and not torch.equal(saved.to(ours.device, ours.dtype), ours):
-            raise ValueError(
+            # ConfigError: a restart would fail the same way, so the run stops with this reason
+            raise ConfigError(
                 "the checkpoint's LoRA adapters were trained on another base model (base sha256 "
                 f"{bytes(saved.tolist()).hex()[:16]}..., this one's {bytes(ours.tolist()).hex()[:16]}"
                 "...): resume on the base model.path it was trained on")
