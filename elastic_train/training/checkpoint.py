@@ -45,19 +45,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the folder and the mismatch."""
 
 
-def _to_cpu(obj: Any) -> Any:
+def _to_cpu(obj: Any, copy: bool = True) -> Any:
     """A CPU copy of a nest of tensors. A GPU tensor goes to pinned (page-locked) host memory with
     an asynchronous copy: the copies of a whole snapshot overlap and run at full PCIe speed;
-    `snapshot` waits for them before the snapshot is handed to the writer."""
+    `snapshot` waits for them before the snapshot is handed to the writer. `copy=False` takes a
+    CPU tensor as it is (a save written before training goes on needs no copy of it)."""
     if isinstance(obj, torch.Tensor):
         if obj.is_cuda:
             host = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=True)
             return host.copy_(obj.detach(), non_blocking=True)
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to("cpu", copy=copy)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: _to_cpu(v, copy) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        return type(obj)(_to_cpu(v, copy) for v in obj)
     return obj
 
 

@@ -239,7 +239,7 @@ def save(env: WorkerEnv, cfg: Config, t: Training, final: bool, sync: bool = Fal
     if t.setup.sharded is not None:  # each rank holds, and writes, only its rows (sharding.py)
         snap = sharded_snapshot(t.raw_model, t.optimizer, asdict(state), cfg.to_dict(),
                                 shard=env.world_rank, shards=env.world_size,
-                                provenance=env.provenance)
+                                provenance=env.provenance, copy=not (final or sync))
     else:
         snap = snapshot(t.raw_model, t.optimizer, t.setup.scaler, asdict(state), cfg.to_dict(),
                         env.world_size, env.provenance, shard=env.world_rank, shards=env.world_size,
