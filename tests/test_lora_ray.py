@@ -77,8 +77,9 @@ def sft_dataset(bpe_tokenizer, tmp_path_factory) -> str:
     return str(root / "data")
 
 
-def lora_run(tmp_path: Path, base: str, data: str, name: str, workers: int):
+def lora_run(tmp_path: Path, base: str, data: str, name: str, workers: int, base_dtype: str):
     cfg = load_config(None, [*LORA, f"model.path={base}", f"data.path={data}",
+                             f"model.base_dtype={base_dtype}",
                              f"run.storage_path={tmp_path}", f"run.name={name}",
                              f"scaling.min_workers={workers}", f"scaling.max_workers={workers}",
                              f"fault.crash_rank={workers - 1}"])
@@ -99,10 +100,12 @@ def eval_loss(model: torch.nn.Module, data: str) -> float:
     return total / targets
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers, base_dtype", [(1, "fp32"), (2, "fp32"), (2, "bf16")])
 def test_lora_crash_and_resume_equals_one_uninterrupted_process(
-        ray_cluster, base_llama, sft_dataset, tmp_path, workers):
-    result = lora_run(tmp_path, base_llama, sft_dataset, f"lora{workers}", workers)
+        ray_cluster, base_llama, sft_dataset, tmp_path, workers, base_dtype):
+    """Crashed at step 5 and resumed from step 4: the adapters (fp32, also on a bf16 base) and
+    the final evaluation are those of one uninterrupted process, to the bit."""
+    result = lora_run(tmp_path, base_llama, sft_dataset, f"lora{workers}", workers, base_dtype)
     summary = result.summary
     assert summary["status"] == "finished" and summary["restarts"] == 1
     assert summary["world_sizes"] == [workers, workers]
