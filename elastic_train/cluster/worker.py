@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections import deque
 from typing import Any
@@ -26,16 +25,15 @@ from ray.train import Checkpoint
 from ray.train.v2.api.report_config import CheckpointUploadMode
 
 from elastic_train.cluster import raycompat
+from elastic_train.cluster.faulthooks import FaultHooks
 from elastic_train.cluster.inplace_ray import GROUP_ENV, JOINING
 from elastic_train.config import ConfigError, FaultConfig, config_from_dict
 from elastic_train.data.rowgroups import BlockTable, DataError
 from elastic_train.observe.provenance import versions
 from elastic_train.recovery import checkpoints as in_place_checkpoints
 from elastic_train.training.checkpoint import BestCheckpointWriter, write_checkpoint
-from elastic_train.training.step import poison_gradient
 from elastic_train.training.watchdog import StepWatchdog, Verdict
 
-CRASH_COMMIT_WAIT_S = 120.0  # fault hooks: the longest wait for a checkpoint's commit
 REQUEST_POLL_INTERVAL_S = 1.0  # how often rank 0 asks the RunLog whether a checkpoint is wanted
 REQUEST_COMMIT_WAIT_S = 60.0  # the longest rank 0 waits for Ray to commit a requested checkpoint
 LAST_EVENT_WAIT_S = 10.0  # the watchdog's wait for its event to be written before the process ends
@@ -49,7 +47,7 @@ def _broadcast_from_rank0(value: Any) -> Any:
     return value
 
 
-class RayWorkerEnv:
+class RayWorkerEnv(FaultHooks):
     """What `loop.train_loop` sees of Ray Train on one worker."""
 
     def __init__(self, fault: FaultConfig, record_ids: bool, runlog, block_table: BlockTable,
@@ -412,117 +410,7 @@ class RayWorkerEnv:
                 "epoch": state.epoch if state.step_in_epoch else state.epoch - 1, "ids": ids}
         self.runlog.log_consumed.remote(self.world_rank, attempt, [line])
 
-    # -- fault injection and the non-finite policy ----------------------------------------------
-    def inject_faults(self, step: int) -> None:
-        """The test hooks that act at the end of a step: a crash, a hang, a slow rank."""
-        f = self.fault
-        if f.slow_rank == self.world_rank:
-            time.sleep(f.slow_step_s)
-        if f.step_pause_s:
-            time.sleep(f.step_pause_s)
-        if f.hold_for_resize_at_step is not None and self.world_rank == 0:
-            self._hold_for_resize(step, f.hold_for_resize_at_step)
-        if f.wait_for_replacement_at_step == step:
-            ray.get(self.log_event({"event": "waiting_for_replacement", "step": step}))
-            self.step_ended(None)  # a wait for an event, not a hang: out of the watchdog's sight
-            while not ray.get(self.runlog.run_state.remote())["replacements"]:
-                time.sleep(0.1)
-            self.step_began(step)
-        hang = f.hang_at_step == step and f.hang_rank == self.world_rank
-        if hang and ray.get(self.runlog.claim_fault.remote(f"hang@{step}")):
-            ray.get(self.log_event({"event": "hang_injected", "step": step}))
-            threading.Event().wait()  # a live process that never finishes its step
-        if f.crash_in_checkpoint or f.crash_in_eval or f.crash_at_step != step \
-                or f.crash_rank != self.world_rank:
-            return
-        if ray.get(self.runlog.claim_fault.remote(f"crash@{step}")):
-            self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False)
-            os._exit(1)
-
-    def _hold_for_resize(self, step: int, at: int) -> None:
-        """Test hook (fault.hold_for_resize_at_step): once a joining node's checkpoint request is
-        granted (this step's end saves and commits it), hold after the next step until Ray
-        replaces this group; if none is granted by step `at`, wait there for it. Once per run."""
-        granted, self._request_granted = self._request_granted, False
-        if step == self._hold_at and ray.get(self.runlog.claim_fault.remote(f"hold@{step}")):
-            ray.get(self.log_event({"event": "holding_for_resize", "step": step}))
-            threading.Event().wait()  # Ray ends this process when it restarts the group
-        if self._hold_at is not None:
-            return
-        if granted:
-            self._hold_at = step + 1
-        elif step == at and ray.get(self.runlog.claim_fault.remote(f"hold_wait@{step}")):
-            self.log_event({"event": "waiting_for_resize", "step": step})
-            # the regular poll's call may be in flight and take the request first: wait for it too
-            reason = ray.get(self._request_ref) if self._request_ref is not None else None
-            self._request_ref = None
-            while not reason:
-                time.sleep(0.1)
-                reason = ray.get(self.runlog.take_checkpoint_request.remote())
-            self._held_request = reason  # granted at the next step's start
-
-    def maybe_crash_in_eval(self, step: int) -> None:
-        """Test hook: die in the evaluation after step `crash_at_step` (after its first batch)."""
-        f = self.fault
-        if not f.crash_in_eval or f.crash_at_step != step or f.crash_rank != self.world_rank:
-            return
-        if ray.get(self.runlog.claim_fault.remote(f"crash_in_eval@{step}")):
-            self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False)
-            os._exit(1)
-
-    def _wait_for_commit_then_log(self, saved_step: int, step: int, in_checkpoint: bool) -> None:
-        """Before a test hook kills this process: wait (bounded) until the checkpoint saved last
-        (of `saved_step`) is committed, then log the committed step in `crash_injected`.
-
-        A checkpoint written in the background is committed only after the controller's next poll
-        (see raycompat); a crash before that resumes from the one before. Tests inject a crash to
-        check the resume from a known checkpoint, so the hook waits for it instead of racing it."""
-        fs, run_path = raycompat.worker_run_folder()
-        t0 = time.monotonic()
-        if self.group is not None:  # in place: periodic checkpoints are committed by a pointer
-            saved_step = max(saved_step, self.in_place_saved_step)
-            committed = self._wait_for_in_place_pointer(fs, run_path, saved_step)
-        elif saved_step > 0:
-            committed = raycompat.wait_until_committed(fs, run_path, saved_step, CRASH_COMMIT_WAIT_S)
-        else:
-            committed = raycompat.committed_step(fs, run_path)
-        waited_s = time.monotonic() - t0
-        record = {"event": "crash_injected", "step": step, "rank": self.world_rank,
-                  "in_checkpoint": in_checkpoint, "saved_step": saved_step,
-                  "committed_step": committed, "commit_wait_s": round(waited_s, 3)}
-        if saved_step > 0 and (committed is None or committed < saved_step):
-            record["commit_wait_timed_out"] = True  # crash anyway: the test will see it
-        ray.get(self.runlog.log_event.remote(record))
-
-    @staticmethod
-    def _wait_for_in_place_pointer(fs, run_path: str, saved_step: int) -> int | None:
-        """In place: wait (bounded) until the pointer names `saved_step` or later; its step."""
-        deadline = time.monotonic() + CRASH_COMMIT_WAIT_S
-        while True:
-            pointer = in_place_checkpoints.read_pointer(fs, run_path)
-            step = pointer["step"] if pointer else None
-            if saved_step <= 0 or (step is not None and step >= saved_step) \
-                    or time.monotonic() > deadline:
-                return step
-            time.sleep(0.05)
-
-    def maybe_crash_in_heal(self) -> None:
-        """Test hook (fault.crash_in_heal): the first replacement of fault.crash_rank dies as it
-        starts to receive its heal from a peer (the peer is sending it)."""
-        f = self.fault
-        if not (f.crash_in_heal and self.joining and f.crash_rank == self.world_rank):
-            return
-        if ray.get(self.runlog.claim_fault.remote("crash_in_heal")):
-            ray.get(self.log_event({"event": "crash_injected", "in_heal": True}))
-            os._exit(1)
-
-    def maybe_poison_gradient(self, model: torch.nn.Module, step: int) -> None:
-        f = self.fault
-        if f.nan_at_step != step or f.nan_rank != self.world_rank:
-            return
-        if f.nan_repeat or ray.get(self.runlog.claim_fault.remote(f"nan@{step}")):
-            poison_gradient(model)  # this rank's own rows when sharded
-
+    # -- the non-finite policy ------------------------------------------------------------------
     def handle_nonfinite(self, step: int, micro_batches) -> None:
         """Too many non-finite steps in a row: roll back once (restart from the last checkpoint);
         the second time at the same step, stop the run naming the step and its sample ids.
