@@ -80,7 +80,14 @@ import pyarrow.parquet as pq
 
 from elastic_train.data.dataset import STATS_FILE, TOKENIZER_DIR, _resolve_dataset_path
 from elastic_train.data.heldout import EVAL_DIR, held_documents, row_ids, split_record
-from elastic_train.data.pieces import summarize_pieces, token_type_for, tokenize_pieces
+from elastic_train.data.pieces import (
+    jsonl_bounds,
+    mask_column,
+    parquet_bounds,
+    summarize_pieces,
+    token_type_for,
+    tokenize_pieces,
+)
 from elastic_train.data.prepare import (
     ROWS_PER_BLOCK,
     _check_arguments,
@@ -135,21 +142,6 @@ def _assign(table: pa.Table, *, first_rows: np.ndarray, first_tokens: np.ndarray
             .append_column("shard", pa.array(shards)))
 
 
-def _mask_column(tokens: pa.ListArray, masks: pa.ChunkedArray) -> pa.ListArray:
-    """The `loss_mask` column of the single-process prepare: each row's mask, all 1 on a row
-    that has none (plain text in a data set that also holds fine-tuning examples)."""
-    masks = masks.combine_chunks()
-    lengths = pc.list_value_length(tokens).to_numpy(zero_copy_only=False)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = np.ones(int(offsets[-1]), dtype=np.int8)
-    valid = np.flatnonzero(masks.is_valid().to_numpy(zero_copy_only=False))
-    if len(valid):
-        positions = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in valid])
-        flat[positions] = pc.list_flatten(masks.take(pa.array(valid))).to_numpy()
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
-
-
 def _write_shard(group: pa.Table, *, output: str, names: list[str], token_type: str,
                  rows_per_block: int, train_shards: int, with_mask: bool) -> pa.Table:
     """Write one shard's rows, sorted by id, as `part-NNNNN.parquet` (in `eval/` for a held-out
@@ -168,7 +160,7 @@ def _write_shard(group: pa.Table, *, output: str, names: list[str], token_type: 
         "doc": group.column("doc").cast(pa.int64()),
     })
     if with_mask:
-        table = table.append_column("loss_mask", _mask_column(tokens, group.column("loss_mask")))
+        table = table.append_column("loss_mask", mask_column(tokens, group.column("loss_mask")))
     fs, root = _resolve_dataset_path(output)
     folder, number = (root, shard) if shard < train_shards else (
         f"{root}/{EVAL_DIR}", shard - train_shards)
@@ -177,31 +169,6 @@ def _write_shard(group: pa.Table, *, output: str, names: list[str], token_type: 
     flat = pc.list_flatten(tokens)
     return pa.table({"shard": [shard], "rows": [len(table)], "tokens": [len(flat)],
                      "max_token": [int(pc.max(flat).as_py() or 0) if len(flat) else 0]})
-
-
-def _jsonl_bounds(file: Path, size: int) -> list[int]:
-    """Cuts of a JSONL file into pieces of about PIECE_BYTES, each at a line start."""
-    bounds = [0]
-    with open(file, "rb") as handle:
-        for target in range(PIECE_BYTES, size, PIECE_BYTES):
-            if target > bounds[-1]:
-                handle.seek(target - 1)
-                cut = target - 1 + len(handle.readline())  # just after the next newline
-                if bounds[-1] < cut < size:
-                    bounds.append(cut)
-    return bounds + [size]
-
-
-def _parquet_bounds(file: Path) -> list[int]:
-    """Cuts of a Parquet file's row groups into pieces of about PIECE_BYTES (uncompressed)."""
-    metadata = pq.ParquetFile(file).metadata
-    bounds, filled = [0], 0
-    for group in range(metadata.num_row_groups):
-        if filled >= PIECE_BYTES:
-            bounds.append(group)
-            filled = 0
-        filled += metadata.row_group(group).total_byte_size
-    return bounds + [metadata.num_row_groups]
 
 
 def _list_pieces(files: list[Path]) -> list[dict]:
@@ -214,8 +181,8 @@ def _list_pieces(files: list[Path]) -> list[dict]:
         suffix, bounds = file.suffix.lower(), [0, 0]
         kind = {".jsonl": "jsonl", ".parquet": "parquet"}.get(suffix) if size > PIECE_BYTES else None
         try:
-            bounds = _jsonl_bounds(file, size) if kind == "jsonl" else (
-                _parquet_bounds(file) if kind == "parquet" else bounds)
+            bounds = jsonl_bounds(file, size, PIECE_BYTES) if kind == "jsonl" else (
+                parquet_bounds(file, PIECE_BYTES) if kind == "parquet" else bounds)
         except (pa.ArrowException, OSError):
             kind = None
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):

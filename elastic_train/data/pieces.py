@@ -189,3 +189,43 @@ def summarize_pieces(table: pa.Table) -> pa.Table:
         ("max_token", pa.int64()), ("error", pa.string()), ("first_doc", pa.int64()),
         ("doc_rows", pa.list_(pa.int64())), ("masked", pa.int64()), ("examples", pa.int64()),
         ("truncated", pa.int64()), ("dropped", pa.int64())]))
+
+
+def mask_column(tokens: pa.ListArray, masks: pa.ChunkedArray) -> pa.ListArray:
+    """The `loss_mask` column of the single-process prepare: each row's mask, all 1 on a row
+    that has none (plain text in a data set that also holds fine-tuning examples)."""
+    masks = masks.combine_chunks()
+    lengths = pc.list_value_length(tokens).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.ones(int(offsets[-1]), dtype=np.int8)
+    valid = np.flatnonzero(masks.is_valid().to_numpy(zero_copy_only=False))
+    if len(valid):
+        positions = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in valid])
+        flat[positions] = pc.list_flatten(masks.take(pa.array(valid))).to_numpy()
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+
+
+def jsonl_bounds(file: Path, size: int, piece_bytes: int) -> list[int]:
+    """Cuts of a JSONL file into pieces of about `piece_bytes`, each at a line start."""
+    bounds = [0]
+    with open(file, "rb") as handle:
+        for target in range(piece_bytes, size, piece_bytes):
+            if target > bounds[-1]:
+                handle.seek(target - 1)
+                cut = target - 1 + len(handle.readline())  # just after the next newline
+                if bounds[-1] < cut < size:
+                    bounds.append(cut)
+    return bounds + [size]
+
+
+def parquet_bounds(file: Path, piece_bytes: int) -> list[int]:
+    """Cuts of a Parquet file's row groups into pieces of about `piece_bytes` (uncompressed)."""
+    metadata = pq.ParquetFile(file).metadata
+    bounds, filled = [0], 0
+    for group in range(metadata.num_row_groups):
+        if filled >= piece_bytes:
+            bounds.append(group)
+            filled = 0
+        filled += metadata.row_group(group).total_byte_size
+    return bounds + [metadata.num_row_groups]
