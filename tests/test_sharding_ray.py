@@ -4,12 +4,17 @@ rank's rows, resharded on load: sharding.py, shardfiles.py)."""
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import pytest
 import torch
 from test_models import bpe_dataset, llama_folder  # noqa: F401 - fixtures
 from test_train_ray import assert_same_training, run
 
 from elastic_train.api import TrainingFailed
+from elastic_train.training.checkpoint import read_shards
 
 pytestmark = pytest.mark.ray
 
@@ -54,6 +59,21 @@ def test_fsdp_restart_at_two_workers_grows_from_one_workers_checkpoint(reference
     grown = run(tmp_path, small_dataset, "grow", *FSDP, "fault.crash_at_step=10")
     assert grown.summary["world_sizes"] == [1, 2]
     assert_same_training(grown, reference)
+
+
+def test_fsdp_nan_in_one_workers_rows_is_skipped_by_every_worker(ray_cluster, small_dataset,
+                                                                  tmp_path):
+    """fault.nan_at_step through the Ray worker's hook: rank 1's own rows of a sharded gradient
+    go bad; the global norm makes rank 0 (whose records these are, its rows finite) skip too."""
+    result = run(tmp_path, small_dataset, "nan", *FSDP, "fault.nan_at_step=5", "fault.nan_rank=1",
+                 "checkpoint.every_steps=0")
+    s = result.summary
+    assert s["status"] == "finished" and s["restarts"] == 0 and s["skipped_steps"] == 1
+    records = [json.loads(x) for x in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["skipped"]] == [5]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    model = read_shards(result.checkpoint_path, "model")
+    assert all(torch.isfinite(t).all() for t in model.values())
 
 
 def test_an_fsdp_llama_exports_whole_and_loads_with_from_pretrained(ray_cluster, bpe_dataset,  # noqa: F811
