@@ -198,7 +198,7 @@ def test_failing_run_console_shows_the_workers_error(tmp_path, tiny, small_datas
                   "model.name=tiny_gru:fails_in_forward", "scaling.max_failures=0")
     console = proc.stdout + proc.stderr
     assert proc.returncode == 1, console[-5000:]
-    assert re.search(r"error: run failed: rank 0( on node \S+)?: ValueError: this model fails in "
+    assert re.search(r"error: run failed: rank \d+( on node \S+)?: ValueError: this model fails in "
                      r"forward on purpose", proc.stderr), console[-5000:]
     # the worker's own traceback, down to the user's line that raised
     assert re.search(r'File ".*tiny_gru\.py", line \d+, in forward', console), console
