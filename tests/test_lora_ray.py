@@ -100,7 +100,7 @@ def eval_loss(model: torch.nn.Module, data: str) -> float:
     return total / targets
 
 
-@pytest.mark.parametrize("workers, base_dtype", [(1, "fp32"), (2, "fp32"), (2, "bf16")])
+@pytest.mark.parametrize("workers, base_dtype", [(1, "fp32"), (2, "bf16")])  # 1 and 2 workers
 def test_lora_crash_and_resume_equals_one_uninterrupted_process(
         ray_cluster, base_llama, sft_dataset, tmp_path, workers, base_dtype):
     """Crashed at step 5 and resumed from step 4: the adapters (fp32, also on a bf16 base) and
