@@ -133,13 +133,17 @@ store.set(f"up{rank}", "1")
 store.wait([f"up{1 - rank}"])
 pg = build_process_group(torch.device("cpu"), timedelta(seconds=1), timedelta(seconds=20))
 if late < 0 and rank == 1:
-    time.sleep(30)  # a member of the quorum that never comes to the rendezvous (killed)
+    try:  # a member of the quorum that never comes to the rendezvous (killed), until rank 0 gave up
+        store.wait(["gave_up"])
+    except Exception:  # rank 0 (the store's server) has ended
+        pass
     sys.exit(0)
 t0 = time.monotonic()
 try:
     pg.configure(f"127.0.0.1:{port}/q", "r", rank, 2)
 except Exception as e:
     print("configure failed", round(time.monotonic() - t0, 2), flush=True)
+    store.set("gave_up", "1")
     sys.exit(0)
 time.sleep(late if rank == 1 else 0)
 t = torch.ones(2)
