@@ -17,7 +17,7 @@ import pyarrow.fs as pafs
 
 from elastic_train.config import Config
 from elastic_train.observe.runfolder import run_uri, split_uri
-from elastic_train.training.checkpoint import MANIFEST
+from elastic_train.training.checkpoint import complete_checkpoints
 
 
 def _read_json(fs: pafs.FileSystem, path: str) -> Any:
@@ -30,14 +30,7 @@ def _read_json(fs: pafs.FileSystem, path: str) -> Any:
 
 def latest_train_state(fs: pafs.FileSystem, folder: str) -> tuple[str, dict] | None:
     """(name, train_state) of the newest complete checkpoint in `folder`; None without one."""
-    if fs.get_file_info(folder).type != pafs.FileType.Directory:
-        return None
-    names = sorted((f.base_name for f in fs.get_file_info(pafs.FileSelector(folder))
-                    if f.type == pafs.FileType.Directory and f.base_name.startswith("checkpoint_")),
-                   reverse=True)
-    for name in names:
-        if fs.get_file_info(f"{folder}/{name}/{MANIFEST}").type != pafs.FileType.File:
-            continue  # incomplete: never loaded
+    for name in complete_checkpoints(fs, folder):
         state = _read_json(fs, f"{folder}/{name}/state.json")
         if isinstance(state, dict) and isinstance(state.get("train_state"), dict):
             return name, state["train_state"]

@@ -19,7 +19,7 @@ from elastic_train.preflight.checks import (
     data_identity,
     identity_change,
 )
-from elastic_train.training.checkpoint import MANIFEST, signature_mismatch
+from elastic_train.training.checkpoint import complete_checkpoints, signature_mismatch
 
 logger = logging.getLogger("elastic_train")
 
@@ -33,15 +33,8 @@ def check_resumable(cfg: Config, ours: dict[str, list[int]],
     hands it again, in case one appears meanwhile.) Returns that checkpoint's state.json (None
     without one)."""
     fs, folder, _ = split_uri(run_uri(cfg))
-    if fs.get_file_info(folder).type != pafs.FileType.Directory:
-        return None
-    names = sorted((f.base_name for f in fs.get_file_info(pafs.FileSelector(folder))
-                    if f.type == pafs.FileType.Directory and f.base_name.startswith("checkpoint_")),
-                   reverse=True)
-    for name in names:
+    for name in complete_checkpoints(fs, folder):
         directory = f"{folder}/{name}"
-        if fs.get_file_info(f"{directory}/{MANIFEST}").type != pafs.FileType.File:
-            continue  # incomplete: never loaded
         state = _read_json(fs, f"{directory}/state.json", "checkpoint file")
         if not (isinstance(state, dict) and isinstance(state.get("config"), dict)
                 and isinstance(state.get("model_signature"), dict)):

@@ -349,6 +349,17 @@ def commit_best(fs: pafs.FileSystem, run_path: str, step: int, eval_loss: float)
     return name
 
 
+def complete_checkpoints(fs: pafs.FileSystem, folder: str) -> list[str]:
+    """Names of the run folder's complete checkpoints (their manifest written), newest first;
+    [] when the folder does not exist. An incomplete one is never loaded."""
+    if fs.get_file_info(folder).type != pafs.FileType.Directory:
+        return []
+    names = sorted((f.base_name for f in fs.get_file_info(pafs.FileSelector(folder))
+                    if f.type == pafs.FileType.Directory and f.base_name.startswith("checkpoint_")),
+                   reverse=True)
+    return [n for n in names if fs.get_file_info(f"{folder}/{n}/{MANIFEST}").type == pafs.FileType.File]
+
+
 def read_best_pointer(fs: pafs.FileSystem, run_path: str) -> dict[str, Any] | None:
     """The run's `best_checkpoint.json` ({checkpoint, step, eval_loss}), or None."""
     try:
