@@ -1,8 +1,9 @@
 """In place under repeated faults (issue 32), on a real local Ray cluster with real SIGKILLs: the
 youngest replica killed every 20 s for two minutes (a crash-looping node), a replica killed while
-it writes a checkpoint, a replacement killed while it heals. The survivors never wait out a
-timeout for a peer that is gone, and every run ends the same to the bit as one never
-interrupted, every sample once."""
+it writes a checkpoint, a replacement killed while it heals, a replica killed while it
+evaluates. The survivors never wait out a timeout for a peer that is gone, and every run ends
+the same to the bit as one never interrupted, every sample once, with the same evaluations.
+Every run evaluates the held-out documents every EVAL_EVERY steps, the reference too."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ pytest.importorskip("torchft")
 pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 
 EPOCHS = 8  # ~25 s of steps unpaced; paced by fault.step_pause_s to span the schedule
+EVAL_EVERY = 15  # eval.every_steps: no evaluation on a step of the checkpoint tests' faults
 IN_PLACE = ["fault.recovery=in_place", f"train.epochs={EPOCHS}", "train.max_steps=100000",
-            "checkpoint.every_steps=10", "scaling.max_failures=-1"]
+            "checkpoint.every_steps=10", "scaling.max_failures=-1", "eval.fraction=0.1",
+            f"eval.every_steps={EVAL_EVERY}"]
 PAUSE_S = 0.3  # fault.step_pause_s of the killed runs: the numbers trained are unchanged by it
 SCHEDULE_PAUSE_S = 0.8  # the scheduled run's: its ~175 steps span the two minutes of kills
 MAX_GAP_S = 10.0  # the longest the survivors may go without a committed step (issue 32)
@@ -28,6 +31,11 @@ SLOW_TEST_S = 900  # a loaded machine: each run minutes
 def steps(result) -> list[dict]:
     """The step records of metrics.jsonl, in the order they were committed."""
     return sorted((r for r in metrics(result) if "eval_loss" not in r), key=lambda r: r["step"])
+
+
+def evals(result) -> list[tuple[int, float]]:
+    """(step, eval_loss) of each evaluation's record in metrics.jsonl, by step."""
+    return sorted((r["step"], r["eval_loss"]) for r in metrics(result) if "eval_loss" in r)
 
 
 def assert_each_step_once(result) -> list[dict]:
@@ -43,13 +51,13 @@ def gaps_after(recs: list[dict], since: float) -> list[tuple[float, int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, small_dataset, tmp_path_factory):
+def reference(ray_cluster, held_out_dataset, tmp_path_factory):
     """2 workers in place, never interrupted, not paced."""
-    return run(tmp_path_factory.mktemp("ref"), small_dataset, "ref", *IN_PLACE)
+    return run(tmp_path_factory.mktemp("ref"), held_out_dataset, "ref", *IN_PLACE)
 
 
 @pytest.mark.timeout(SLOW_TEST_S)
-def test_youngest_replica_killed_every_20_s_costs_no_step_and_no_timeout(reference, small_dataset,
+def test_youngest_replica_killed_every_20_s_costs_no_step_and_no_timeout(reference, held_out_dataset,
                                                                         tmp_path):
     """The youngest worker SIGKILLed every 20 s for two minutes (after the first kill, the
     replacement: killed while it starts, restores, heals or trains). In place keeps committing
@@ -59,7 +67,7 @@ def test_youngest_replica_killed_every_20_s_costs_no_step_and_no_timeout(referen
     killer = threading.Thread(target=schedule.run, daemon=True)
     killer.start()
     try:
-        result = run(tmp_path, small_dataset, "chaos", *IN_PLACE,
+        result = run(tmp_path, held_out_dataset, "chaos", *IN_PLACE,
                      f"fault.step_pause_s={SCHEDULE_PAUSE_S}")
     finally:
         schedule.stop()
@@ -87,13 +95,13 @@ def test_youngest_replica_killed_every_20_s_costs_no_step_and_no_timeout(referen
 
 
 @pytest.mark.timeout(SLOW_TEST_S)
-def test_a_writer_killed_in_its_checkpoint_costs_the_survivor_no_wait(reference, small_dataset,
+def test_a_writer_killed_in_its_checkpoint_costs_the_survivor_no_wait(reference, held_out_dataset,
                                                                      tmp_path):
     """Rank 0 (the quorum's first participant, which writes) dies halfway through writing the
     checkpoint of step 10, outside Ray's report barrier: the survivor commits its next step within
     MAX_GAP_S, that checkpoint is never taken for committed (the pointer still names step 0's
     none), the survivor writes the next ones, and the run ends as the uninterrupted one."""
-    result = run(tmp_path, small_dataset, "ckpt", *IN_PLACE, f"fault.step_pause_s={PAUSE_S / 3}",
+    result = run(tmp_path, held_out_dataset, "ckpt", *IN_PLACE, f"fault.step_pause_s={PAUSE_S / 3}",
                  "fault.crash_at_step=10", "fault.crash_rank=0", "fault.crash_in_checkpoint=true")
     s = result.summary
     assert s["status"] == "finished" and s["restarts"] == 0 and s["replayed_steps"] == 0, s
@@ -111,12 +119,12 @@ def test_a_writer_killed_in_its_checkpoint_costs_the_survivor_no_wait(reference,
 
 
 @pytest.mark.timeout(SLOW_TEST_S)
-def test_a_replacement_killed_while_it_heals_costs_the_survivor_no_wait(reference, small_dataset,
+def test_a_replacement_killed_while_it_heals_costs_the_survivor_no_wait(reference, held_out_dataset,
                                                                        tmp_path):
     """Rank 1 dies at step 6; its replacement dies as the survivor starts sending it the heal
     (fault.crash_in_heal); the next replacement heals and joins. The survivor never waits for
     the dead one: no gap between its committed steps over MAX_GAP_S."""
-    result = run(tmp_path, small_dataset, "heal", *IN_PLACE, f"fault.step_pause_s={PAUSE_S}",
+    result = run(tmp_path, held_out_dataset, "heal", *IN_PLACE, f"fault.step_pause_s={PAUSE_S}",
                  "fault.crash_at_step=6", "fault.crash_rank=1", "fault.crash_in_heal=true")
     s = result.summary
     assert s["status"] == "finished" and s["restarts"] == 0 and s["replayed_steps"] == 0, s
@@ -130,4 +138,38 @@ def test_a_replacement_killed_while_it_heals_costs_the_survivor_no_wait(referenc
     healed = [e for e in events if e["event"] == "healed" and e["time"] > in_heal[0]["time"]]
     assert healed, "the next replacement never healed"
     assert max(recs, key=lambda r: r["step"])["world_size"] == 2
+    assert_same_training(result, reference)
+
+
+@pytest.mark.timeout(SLOW_TEST_S)
+def test_a_replica_killed_while_it_evaluates_costs_the_survivor_no_wait(reference, held_out_dataset,
+                                                                       tmp_path):
+    """Rank 0 (the quorum's first participant) dies after the first batch of the evaluation of
+    step 2 x EVAL_EVERY (fault.crash_in_eval). Every replica evaluates all of the held-out set
+    itself, with no collective, so the survivor finishes that evaluation alone and logs it:
+    the evaluation that was cut is reported once, by the survivor, not redone (the replacement
+    heals at a later step, evaluated already). The survivor commits its next step within
+    MAX_GAP_S; the run ends as the uninterrupted one: the same steps, ids, weights, and the
+    same evaluations at the same steps, to the bit."""
+    at = 2 * EVAL_EVERY
+    result = run(tmp_path, held_out_dataset, "eval", *IN_PLACE, f"fault.step_pause_s={PAUSE_S / 3}",
+                 f"fault.crash_at_step={at}", "fault.crash_rank=0", "fault.crash_in_eval=true")
+    s = result.summary
+    assert s["status"] == "finished" and s["restarts"] == 0 and s["replayed_steps"] == 0, s
+    events = read_events(result)
+    crash = [e for e in events if e["event"] == "crash_injected"]
+    assert len(crash) == 1 and crash[0]["step"] == at and crash[0]["rank"] == 0, crash
+    recs = assert_each_step_once(result)
+    after = [r for r in recs if r["time"] > crash[0]["time"]]
+    cost_s = after[0]["time"] - crash[0]["time"]
+    print(f"\na replica killed in its evaluation: the survivor's next step {cost_s:.1f} s after")
+    assert cost_s < MAX_GAP_S
+    assert [e for e in events if e["event"] == "healed" and e["time"] > crash[0]["time"]], \
+        "the replacement never healed"
+    got, ref = evals(result), evals(reference)
+    # the cut evaluation's record: the survivor's (rank 0 died before it could send one), once
+    assert [step for step, _ in got].count(at) == 1, got
+    assert got == ref, (got, ref)  # == on floats: to the bit, each evaluation once
+    for key in ("final_eval_loss", "best_eval_loss", "best_step"):
+        assert s[key] == reference.summary[key], key
     assert_same_training(result, reference)
