@@ -3,16 +3,21 @@
 Read from Ray 2.60 (`ray/train/v2/torch/torchft_config.py`, `_internal/execution/worker_group`):
 `_TorchftBackend.on_start` runs once with the whole `WorkerGroup` at a group start and once with a
 `ReplicaGroup` when Ray replaces a failed replica; `_maybe_create_lighthouse_actor` starts the
-lighthouse. If a later Ray moves them, this module fails at import (the first two) or the
-lighthouse logs at info again (the third). The worker's side is `inplace.py`.
+lighthouse; `WorkerGroup.replace_replica_group` replaces one (`_retry_replacement_deaths`). If a
+later Ray moves them, this module fails at import (the first two), the lighthouse logs at info
+again (the third) or `tests/test_inplace_unit.py` fails (the fourth). The worker's side is
+`inplace.py`.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 
 import ray
+from ray.exceptions import RayActorError
+from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
 from ray.train.v2._internal.execution.worker_group import ReplicaGroup
 from ray.train.v2.torch.torchft_config import LighthouseServerActor, TorchftConfig, _TorchftBackend
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -42,9 +47,38 @@ class InPlaceBackend(_TorchftBackend):
         return ray.get(self.lighthouse_actor.address.remote())
 
     def on_start(self, worker_group, backend_config) -> None:
-        token = JOINING if isinstance(worker_group, ReplicaGroup) else uuid.uuid4().hex
-        worker_group.execute(_set_env, GROUP_ENV, token)
+        joining = isinstance(worker_group, ReplicaGroup)
+        if not joining:  # the whole group (in the controller): its later replacements
+            _retry_replacement_deaths(worker_group)
+        worker_group.execute(_set_env, GROUP_ENV, JOINING if joining else uuid.uuid4().hex)
         super().on_start(worker_group, backend_config)
+
+
+def _retry_replacement_deaths(worker_group) -> None:
+    """A replacement that dies while Ray still starts it is retried, never the run's end.
+
+    Ray 2.60's `WorkerGroup.replace_replica_group` turns a death of the new worker while its
+    train context is set up into `WorkerGroupStartupFailedError`, which the controller retries
+    (another replacement, the survivors untouched); but a death a moment later, in the backends'
+    `on_start` (this class's and torchft's `execute` calls) or while it deserializes the train
+    function (`run_train_fn`: imports of torch and this package, seconds under load), reaches the
+    controller as a bare `RayActorError`, which its failure policy does not retry: the run failed
+    with "The actor is dead because its worker process has died" (issue 32, the youngest worker
+    killed every 30 s). Every death inside the replacement is made the retried kind, on this run's
+    worker group alone (an attribute of the instance, not a patch of Ray's class)."""
+    replace = worker_group.replace_replica_group
+    worker_group.replace_replica_group = _startup_failure_on_death(replace)
+
+
+def _startup_failure_on_death(replace: Callable[[int], None]) -> Callable[[int], None]:
+    def replace_replica_group(replica_group_index: int) -> None:
+        try:
+            replace(replica_group_index)
+        except RayActorError as exc:  # ActorDiedError, ActorUnavailableError
+            raise WorkerGroupStartupFailedError(
+                f"the replacement of replica group {replica_group_index} died while it "
+                f"started: {exc}") from exc
+    return replace_replica_group
 
 
 class InPlaceConfig(TorchftConfig):
