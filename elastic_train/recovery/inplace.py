@@ -301,7 +301,12 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
         reader.close()
         _log_reads(env, attempt, reader)
         if env.joining and not committed_here:
-            # a replacement that found the run over joins the others' final report, without a share
+            # a replacement that found the run over joins the others' final report, without a
+            # share; always, also when it restored that very step (the final step's periodic
+            # checkpoint), which save_checkpoint would take for saved already and skip: the
+            # others then waited in Ray's report barrier for ever (issue 32, found by killing 8
+            # replacements in a row, the 9th starting after the last step)
+            env.last_saved_step = -1
             env.save_checkpoint(None, env.run_finished(), final=True)
             return
         # the last step's first participant logs and writes (the first worker, if this process ran
