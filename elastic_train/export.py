@@ -13,8 +13,9 @@ model `model.safetensors`, the resolved `config.yaml` and the tokenizer's copy. 
 (`model.lora.r > 0`) exports its adapters (peft's `adapter_config.json` and
 `adapter_model.safetensors`, naming model.path as the base: `PeftModel.from_pretrained(base, DIR)`
 loads them), or with `merge` the adapters merged into the base, written as above (a folder
-`from_pretrained` loads alone). The output is written in a scratch folder renamed into place: an
-existing folder is never overwritten.
+`from_pretrained` loads alone). A QLoRA run's adapters are loaded onto its base unquantised, in
+bf16, so export and sample need no GPU (`_unquantised`). The output is written in a scratch
+folder renamed into place: an existing folder is never overwritten.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -30,7 +31,7 @@ import torch
 import yaml
 from torch import nn
 
-from elastic_train.config import Config, ConfigError, config_from_dict
+from elastic_train.config import Config, ConfigError, ModelConfig, config_from_dict
 from elastic_train.data.batches import make_batch
 from elastic_train.data.tokenizer import Tokenizer
 from elastic_train.training.checkpoint import (
@@ -113,13 +114,22 @@ def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
     except (CheckpointError, OSError) as exc:
         raise ValueError(f"checkpoint '{ckpt}': {exc}") from None
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, cfg.data.max_seq_len, model_fn)
+    model = build_model(_unquantised(cfg.model), cfg.data.max_seq_len, model_fn)
     mismatch = signature_mismatch(state, {n: list(t.shape) for n, t in model.state_dict().items()})
     if mismatch:
         hint = "" if model_fn else " (a run of an inline model: pass its model_fn to export)"
         raise ValueError(f"checkpoint '{ckpt}' {mismatch}{hint}")
     load_model_weights(ckpt, model)  # an fsdp run's rows assembled a tensor at a time
     return TrainedModel(model.eval(), cfg, ckpt, run_tokenizer(cfg))
+
+
+def _unquantised(model_cfg: ModelConfig) -> ModelConfig:
+    """A QLoRA run's adapters go onto its base unquantised, in bf16 (as QLoRA merges them): so
+    export and sample run without a GPU, and a merged export is a plain bf16 model. The base
+    hash is of the folder's weights before quantisation, so the adapters load onto it."""
+    if not model_cfg.lora.load_in_4bit:
+        return model_cfg
+    return replace(model_cfg, lora=replace(model_cfg.lora, load_in_4bit=False), base_dtype="bf16")
 
 
 def export(run_folder: str | os.PathLike, output: str | os.PathLike, checkpoint: str | None = None,

@@ -69,3 +69,40 @@ for run in ("gpt100m", "gpt100m_fsdp"):
 s = json.loads((pathlib.Path(sys.argv[1]) / "fsdp" / "summary.json").read_text())
 assert s["status"] == "finished" and s["restarts"] == 1, s
 PY
+# 5. QLoRA (issue 30): a tiny Llama saved from a config (QLoRA quantises a pretrained base, so the
+#    folder holds weights), LoRA r=8 on its bitsandbytes 4-bit NF4 base, bf16 compute, on the byte
+#    corpus, a crash at step 15 and resume from step 10; prints the summary and the adapter
+#    checkpoint's size (adapters and the base's hash only), then exports the adapters and a merged
+#    model (both on the base unquantised: export.load_trained) and samples from the run.
+LLAMA="$STORE/tiny-llama"
+$PY - "$LLAMA" <<'PY'
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4,
+                             max_position_embeddings=1024)).save_pretrained(sys.argv[1])
+PY
+.venv/bin/elastic-train train "${COMMON[@]}" run.name=qlora model.name=hf "model.path=$LLAMA" \
+    model.lora.r=8 model.lora.alpha=16 "model.lora.target_modules=[q_proj, k_proj, v_proj, o_proj]" \
+    model.lora.load_in_4bit=true train.precision=bf16 fault.crash_at_step=15
+$PY - "$STORE/qlora" "$LLAMA" <<'PY'
+import json, sys, pathlib
+from elastic_train.training.checkpoint import read_shards
+from elastic_train.training.lora import BASE_KEY
+run, base = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+s = json.loads((run / "summary.json").read_text())
+print("qlora", {k: s[k] for k in ("status", "steps", "first_loss", "final_loss", "restarts", "world_sizes",
+                                  "grad_reduce")})
+assert s["status"] == "finished" and s["restarts"] == 1 and s["final_loss"] < s["first_loss"], s
+ckpt = sorted(p for p in run.glob("checkpoint_*") if p.is_dir())[-1]
+saved = read_shards(ckpt, "model")
+assert saved and all("lora_" in n or n == BASE_KEY for n in saved), sorted(saved)[:5]
+print("qlora checkpoint %s: %d adapter tensors, %d parameters, model files %d bytes (base weights %d bytes)" % (
+    ckpt.name, len(saved) - 1, sum(t.numel() for n, t in saved.items() if n != BASE_KEY),
+    sum(p.stat().st_size for p in ckpt.glob("model*")), sum(p.stat().st_size for p in base.glob("*.safetensors"))))
+PY
+.venv/bin/elastic-train export "$STORE/qlora" --output "$STORE/qlora-adapter"
+.venv/bin/elastic-train export "$STORE/qlora" --output "$STORE/qlora-merged" --merge
+test -f "$STORE/qlora-adapter/adapter_config.json" && test -f "$STORE/qlora-merged/config.json"
+.venv/bin/elastic-train sample "$STORE/qlora" --prompt "def " --max-new-tokens 20

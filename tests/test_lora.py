@@ -66,7 +66,8 @@ def test_adapters_of_another_base_are_refused_by_name(llama_folder):
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["train.sharding=fsdp"], "model.lora with train.sharding=fsdp"),
+    (["scaling.use_gpu=true", "model.lora.load_in_4bit=true", "train.sharding=fsdp"],
+     "model.lora.load_in_4bit with train.sharding=fsdp"),
     (["model.lora.load_in_4bit=true"], "runs on GPU workers only"),
     (["model.lora.r=0", "model.base_dtype=bf16"], "model.base_dtype=bf16"),
     (["model.lora.r=-1"], "model.lora.r must be >= 0"),
@@ -81,3 +82,56 @@ def test_peft_is_a_package_the_config_needs():
     cfg = load_config(None, ["model.lora.r=2", "model.lora.target_modules=[fc]"])
     assert [need.module for need in needed_packages(cfg)] == ["peft"]
     assert not needed_packages(load_config(None))
+
+
+@pytest.fixture
+def weights_folder(tmp_path, monkeypatch):
+    """A tiny Llama saved with its weights; base hashes cached in this test's own folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("ELASTIC_TRAIN_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128))
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "split", max_shard_size="40KB")
+    return tmp_path
+
+
+def test_the_base_hash_is_of_the_stored_weights_whatever_the_dtype_or_the_files_split(weights_folder):
+    """fp32 and bf16 loads of one folder carry the same hash (of the weights as stored), and a
+    copy split over several safetensors files the same again; other weights another."""
+    from elastic_train.training.basehash import files_hash, weight_files
+
+    one, split = weights_folder / "one", weights_folder / "split"
+    assert len(weight_files(split)) > 1
+    hashes = {}
+    for name, folder, dtype in (("fp32", one, "fp32"), ("bf16", one, "bf16"), ("split", split, "fp32")):
+        model = build_model(lora_cfg(str(folder), f"model.base_dtype={dtype}").model, 64)
+        hashes[name] = bytes(getattr(model, BASE_KEY).tolist())
+    assert hashes["fp32"] == hashes["bf16"] == hashes["split"] == files_hash(weight_files(one))
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(one / "model.safetensors")
+    weights["lm_head.weight"][0, 0] += 1
+    save_file(weights, one / "model.safetensors", metadata={"format": "pt"})
+    other = build_model(lora_cfg(str(one)).model, 64)
+    assert bytes(getattr(other, BASE_KEY).tolist()) != hashes["fp32"]
+
+
+def test_a_folders_hash_is_cached_per_node_until_its_files_change(weights_folder):
+    """The second start reads the cache (a planted value comes back); rewriting the weights
+    (same bytes even) makes a new key, so the hash is computed again."""
+    from elastic_train.training.basehash import _cache_dir, folder_hash
+
+    folder = weights_folder / "one"
+    real = folder_hash(folder)
+    (entry,) = [p for p in _cache_dir().iterdir() if not p.name.endswith(".lock")]
+    assert entry.read_text() == real.hex()
+    entry.write_text((b"\x01" * 32).hex())
+    assert folder_hash(folder) == b"\x01" * 32
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").write_bytes(data)  # another inode and ctime
+    assert folder_hash(folder) == real

@@ -83,6 +83,8 @@ def validate(cfg: Config) -> None:
              "only: set scaling.use_gpu=true, or drop load_in_4bit (model.base_dtype=bf16 halves "
              "the base on CPU)")
     _validate_sharding(cfg)
+    _require(t.compile or not t.compile_modules,
+             "train.compile_modules names the modules to compile: set train.compile=true too")
     _require(
         t.precision != "fp16" or s.use_gpu,
         "train.precision=fp16 needs scaling.use_gpu=true (fp16 autocast and GradScaler are "
@@ -163,11 +165,11 @@ def _validate_sharding(cfg: Config) -> None:
              "gradients rank by rank and skip steps on one rank's overflow alone; use bf16")
     _require(not t.compile, "train.compile with train.sharding=fsdp is not supported yet: "
                             "set train.compile=false")
-    _require(cfg.model.lora.r == 0,
-             "model.lora with train.sharding=fsdp is not supported yet: the adapters' checkpoint "
-             "and export read whole tensors of one process, fsdp's are rows of every rank; a "
-             "LoRA run's optimizer state is small, so use train.sharding=none (a bf16 base: "
-             "model.base_dtype=bf16)")
+    _require(not cfg.model.lora.load_in_4bit,
+             "model.lora.load_in_4bit with train.sharding=fsdp: bitsandbytes' 4-bit weights are "
+             "packed bytes with their quantisation state (block scales) beside them, which FSDP2 "
+             "cannot cut into row shards; a 4-bit base is half a byte a parameter (a 70B base "
+             "~35 GB), so use train.sharding=none, or shard a bf16 base (model.base_dtype=bf16)")
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,11 @@ def _validate_in_place(cfg: Config) -> None:
              f"fault.recovery=in_place reads with data.reader=pyarrow; got {cfg.data.reader!r}")
     _require(cfg.fault.hold_for_resize_at_step is None,
              "fault.hold_for_resize_at_step is a test hook of elastic resizes (restart mode)")
+    _require(not t.compile,
+             "train.compile with fault.recovery=in_place is not supported yet: a replacement "
+             "compiles (or loads) its graphs while the survivors wait for it in the quorum, and "
+             "the in-place step does not count or save them; use fault.recovery=restart, whose "
+             "restarted processes load the run's compile cache")
 
 
 GPT_KWARGS = ("n_layer", "n_head", "d_model", "dropout")  # model.kwargs the embedded GPT takes
@@ -366,6 +373,9 @@ def _validate_lora(m: ModelConfig) -> None:
              "(a full fine-tune keeps fp32 weights; use train.precision=bf16 for bf16 compute)")
     _require(lora.r > 0 or not lora.load_in_4bit,
              "model.lora.load_in_4bit (QLoRA) needs model.lora.r > 0")
+    _require(not lora.load_in_4bit or m.name == "hf",
+             "model.lora.load_in_4bit (QLoRA) quantises a transformers model as it loads: set "
+             f"model.name=hf (got {m.name!r})")
 
 
 def num_partitions(cfg: Config) -> int:

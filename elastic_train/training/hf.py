@@ -133,6 +133,10 @@ def build_hf_model(model_cfg: ModelConfig) -> nn.Module:
     common = dict(trust_remote_code=model_cfg.trust_remote_code, dtype=torch.float32)
     on_meta = torch.empty(0).device.type == "meta"
     if has_weights(folder) and not on_meta:
+        if model_cfg.lora.load_in_4bit:  # QLoRA: quantised to 4 bits as it loads (lora.py)
+            from elastic_train.training.lora import qlora_load_kwargs
+
+            common.update(qlora_load_kwargs(model_cfg))
         model = auto.from_pretrained(folder, config=config, local_files_only=True, **common)
     else:
         model = auto.from_config(config, **common)

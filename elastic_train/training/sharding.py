@@ -55,11 +55,13 @@ from elastic_train.training.checkpoint import (
     _parameter_names,
     _to_cpu,
     check_compatible,
+    load_checkpoint,
     model_signature,
     read_shards,
     read_state,
     rng_state,
     set_rng_state,
+    snapshot,
 )
 from elastic_train.training.collectives import is_distributed, timed_all_reduce
 from elastic_train.training.model import missing_module_classes
@@ -104,7 +106,12 @@ def shard_model(root: nn.Module, model: nn.Module, *, exact: bool, precision: st
                 device: torch.device) -> ShardedReduce:
     """fully_shard each block of `model`, then `root` (the LossModule around it), on a mesh of
     every rank; the parameters move to `device` one block at a time. Every rank starts from
-    rank 0's weights, as DDP's constructor makes them."""
+    rank 0's weights, as DDP's constructor makes them. LoRA: the frozen base alone (lora.py)."""
+    from elastic_train.training.lora import is_lora, shard_frozen_base
+
+    if is_lora(model):
+        return shard_frozen_base(root, model, exact=exact, reshard_after_forward=reshard_after_forward,
+                                 shard_modules=shard_modules, device=device)
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if exact:
@@ -217,6 +224,9 @@ def sharded_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, train_s
     `copy=False` (a final or synchronous save, written before training goes on): on the CPU the
     rows themselves, not a copy. A copy is 12 bytes a parameter over W (24 exact), which a model
     sized to fit by sharding on CPU may not have to spare."""
+    if not _holds_rows(model):  # LoRA: whole adapters, saved as any replicated model's
+        return snapshot(model, optimizer, None, train_state, config, shards, provenance,
+                        shard=shard, shards=shards)
     names = _parameter_names(model, optimizer)
     part, row_sharded = {}, []
     for name, t in model.state_dict().items():
@@ -245,6 +255,12 @@ def sharded_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, train_s
     return snap
 
 
+def _holds_rows(model: nn.Module) -> bool:
+    """Whether the model's state dict holds sharded tensors: not LoRA's, whose state dict is
+    its whole adapters (the sharded base is never saved)."""
+    return any(isinstance(t, DTensor) for t in model.state_dict().values())
+
+
 def _as_local(value: torch.Tensor, p: DTensor) -> DTensor:
     return DTensor.from_local(value.to(p.device), p.device_mesh, p.placements, run_check=False,
                               shape=p.shape, stride=p.stride())
@@ -254,6 +270,8 @@ def load_sharded_checkpoint(directory: str | Path, model: nn.Module,
                             optimizer: torch.optim.Optimizer, restore_rng: bool = True) -> dict[str, Any]:
     """Restore this rank's rows of the model and optimizer from a checkpoint written at any world
     size, sharded or not; the RNG as `load_checkpoint` does. Returns the saved train state."""
+    if not _holds_rows(model):  # LoRA: whole adapters (and the base's hash, checked)
+        return load_checkpoint(directory, model, optimizer, restore_rng=restore_rng)
     state = read_state(directory)
     check_compatible(directory, state, model)
     rank = dist.get_rank() if dist.is_initialized() else 0
