@@ -28,6 +28,8 @@ from elastic_train.training.commhooks import (
     register_comm_hook,
 )
 from elastic_train.training.env import WorkerEnv
+from elastic_train.training.lora import LoraModel
+from elastic_train.training.lorashard import shard_frozen_base
 from elastic_train.training.losses import LossFn, LossModule
 from elastic_train.training.model import (
     ModelFn,
@@ -60,12 +62,15 @@ def check_fits_device(model: torch.nn.Module, cfg: Config, device: torch.device,
     if device.type != "cuda":
         return
     per_param = training_bytes_per_param(cfg.optim.name, grad_reduce, cfg.train.grad_compression)
+    # A frozen parameter (LoRA's base) costs its own bytes only: no gradient, state or buffer.
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     if cfg.train.sharding == "fsdp":
         dist = torch.distributed
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        per_param = sharded_bytes_per_param(grad_reduce, world_size)
-    # A frozen parameter (LoRA's base) costs its own bytes only: no gradient, state or buffer.
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        if isinstance(model, LoraModel):  # the frozen base sharded, adapters whole (lorashard.py)
+            frozen /= world_size
+        else:
+            per_param = sharded_bytes_per_param(grad_reduce, world_size)
     needed = sum(p.numel() for p in model.parameters() if p.requires_grad) * per_param + frozen
     total = torch.cuda.get_device_properties(device).total_memory
     if needed > total:
@@ -146,7 +151,12 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
 def _shard(loss_module: LossModule, raw_model: torch.nn.Module, cfg: Config, device: torch.device,
            exact: bool) -> ShardedReduce:
     """train.sharding=fsdp: FSDP2 in place of DDP (sharding.py); the exact reduction is FSDP's
-    float64 reduce-scatter, so no ExactGradSum buffer."""
+    float64 reduce-scatter, so no ExactGradSum buffer. LoRA: the frozen base alone is sharded,
+    the adapters reduced whole (lorashard.py)."""
+    if isinstance(raw_model, LoraModel):
+        return shard_frozen_base(loss_module, raw_model, exact=exact,
+                                 reshard_after_forward=cfg.train.reshard_after_forward,
+                                 shard_modules=cfg.model.shard_modules, device=device)
     return shard_model(loss_module, raw_model, exact=exact, precision=cfg.train.precision,
                        reshard_after_forward=cfg.train.reshard_after_forward,
                        shard_modules=cfg.model.shard_modules, device=device)

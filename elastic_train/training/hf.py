@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 import torch
@@ -134,12 +135,26 @@ def build_hf_model(model_cfg: ModelConfig) -> nn.Module:
     on_meta = torch.empty(0).device.type == "meta"
     if has_weights(folder) and not on_meta:
         if model_cfg.lora.load_in_4bit:  # QLoRA: quantised to 4 bits as it loads (lora.py)
-            from elastic_train.training.lora import qlora_load_kwargs
-
-            common.update(qlora_load_kwargs(model_cfg))
+            common.update(qlora_load_kwargs())
         model = auto.from_pretrained(folder, config=config, local_files_only=True, **common)
     else:
         model = auto.from_config(config, **common)
     model.tie_weights()  # tied embeddings stay tied, also after a build on the meta device
     model.train()
     return model
+
+
+def qlora_load_kwargs() -> dict[str, Any]:
+    """What `from_pretrained` adds for QLoRA (model.lora.load_in_4bit, lora.py): the weights
+    quantised to NF4 with double quantisation (QLoRA's recipe), computing in bf16, loaded onto
+    this process's GPU (Ray Train sets it) rather than first into host memory whole."""
+    if not torch.cuda.is_available():
+        raise ValueError("model.lora.load_in_4bit (QLoRA) needs a CUDA GPU: bitsandbytes' 4-bit "
+                         "kernels do not train on CPU")
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.bfloat16)
+    return {"quantization_config": quantization, "dtype": torch.bfloat16,
+            "device_map": {"": torch.cuda.current_device()}}

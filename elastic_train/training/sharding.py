@@ -106,12 +106,7 @@ def shard_model(root: nn.Module, model: nn.Module, *, exact: bool, precision: st
                 device: torch.device) -> ShardedReduce:
     """fully_shard each block of `model`, then `root` (the LossModule around it), on a mesh of
     every rank; the parameters move to `device` one block at a time. Every rank starts from
-    rank 0's weights, as DDP's constructor makes them. LoRA: the frozen base alone (lora.py)."""
-    from elastic_train.training.lora import is_lora, shard_frozen_base
-
-    if is_lora(model):
-        return shard_frozen_base(root, model, exact=exact, reshard_after_forward=reshard_after_forward,
-                                 shard_modules=shard_modules, device=device)
+    rank 0's weights, as DDP's constructor makes them. (LoRA: lorashard.py, from build.py.)"""
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if exact:
