@@ -131,7 +131,15 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     seed: int = 0  # model initialisation
     max_consecutive_skips: int = 3  # non-finite steps in a row before rolling back
-    compile: bool = False  # torch.compile the model
+    # torch.compile the model (docs/performance.md, "Compile"), with dynamic rows and length, so
+    # bucketed micro-batches of any shape share two graphs and every process computes a shape alike
+    compile: bool = False
+    # compile: class names of the modules to compile one by one (e.g. [Block] for the embedded GPT,
+    # [LlamaDecoderLayer]): identical blocks share a graph; empty: the whole model as one
+    compile_modules: list[str] = field(default_factory=list)
+    # compile: the node-local folder of Inductor's caches, shared by the run's attempts; empty:
+    # <tmp>/elastic_train_compile/<run name>-<hash>. Seeded from the run folder's compile_cache/
+    compile_cache_dir: str = ""
     # exact: sum micro-batch gradients and all-reduce them in float64, so a step's gradient is the
     # same to the bit at any world size (8 bytes/param more memory, twice the all-reduce bytes);
     # ddp: torch DDP (fp32, overlaps the last backward), curves differ by fp32 round-off across sizes;

@@ -83,6 +83,8 @@ def validate(cfg: Config) -> None:
              "only: set scaling.use_gpu=true, or drop load_in_4bit (model.base_dtype=bf16 halves "
              "the base on CPU)")
     _validate_sharding(cfg)
+    _require(t.compile or not t.compile_modules,
+             "train.compile_modules names the modules to compile: set train.compile=true too")
     _require(
         t.precision != "fp16" or s.use_gpu,
         "train.precision=fp16 needs scaling.use_gpu=true (fp16 autocast and GradScaler are "
@@ -313,6 +315,11 @@ def _validate_in_place(cfg: Config) -> None:
              f"fault.recovery=in_place reads with data.reader=pyarrow; got {cfg.data.reader!r}")
     _require(cfg.fault.hold_for_resize_at_step is None,
              "fault.hold_for_resize_at_step is a test hook of elastic resizes (restart mode)")
+    _require(not t.compile,
+             "train.compile with fault.recovery=in_place is not supported yet: a replacement "
+             "compiles (or loads) its graphs while the survivors wait for it in the quorum, and "
+             "the in-place step does not count or save them; use fault.recovery=restart, whose "
+             "restarted processes load the run's compile cache")
 
 
 GPT_KWARGS = ("n_layer", "n_head", "d_model", "dropout")  # model.kwargs the embedded GPT takes

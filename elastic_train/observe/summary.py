@@ -184,6 +184,7 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
     summary.update(reduce_figures(events))
     summary.update(read_figures(events, sum(r.get("rows", 0) for r in effective.values())))
     summary.update(rank_figures(records, events))
+    summary.update(compile_figures(events))
     return summary
 
 
@@ -200,6 +201,20 @@ def reduce_figures(events: list[dict]) -> dict:
     chosen = next((e for e in reversed(events) if e.get("event") == "grad_reduce"), {})
     return {"grad_reduce": chosen.get("chosen"), "grad_reduce_reason": chosen.get("reason"),
             "grad_compression": chosen.get("grad_compression")}
+
+
+def compile_figures(events: list[dict]) -> dict:
+    """train.compile (training/compile.py): `compiled_graphs`, the most graphs one process held
+    (the recompile bound: 2 per compiled module for bucketed data); `compile_loaded` and
+    `compile_compiled`, graphs loaded from the cache and compiled afresh by all processes; and
+    `compile_step_s`, seconds of the steps that did either (rank 0's, all attempts)."""
+    compiles = [e for e in events if e.get("event") == "compile"]
+    if not compiles:
+        return {}
+    return {"compiled_graphs": max(e["total_graphs"] for e in compiles),
+            "compile_loaded": sum(e["loaded"] for e in compiles),
+            "compile_compiled": sum(e["compiled"] for e in compiles),
+            "compile_step_s": sum(e["step_s"] for e in compiles if e["rank"] == 0)}
 
 
 def read_figures(events: list[dict], rows_trained: int) -> dict:

@@ -27,6 +27,7 @@ from elastic_train.training.commhooks import (
     load_powersgd_state,
     register_comm_hook,
 )
+from elastic_train.training.compile import CompileWatch, compile_model, prepare_compile
 from elastic_train.training.env import WorkerEnv
 from elastic_train.training.lora import LoraModel
 from elastic_train.training.lorashard import shard_frozen_base
@@ -85,7 +86,7 @@ def check_fits_device(model: torch.nn.Module, cfg: Config, device: torch.device,
 class Training:
     """Everything one attempt trains with, built and restored by `build_training`."""
 
-    model: torch.nn.Module  # LossModule(raw_model, loss), on the device, maybe in DDP or compiled
+    model: torch.nn.Module  # LossModule(raw_model, loss), on the device, maybe in DDP
     raw_model: torch.nn.Module  # the user's module: what checkpoints and the optimizer hold
     loss_module: LossModule  # LossModule(raw_model, loss) itself: evaluation calls it
     optimizer: torch.optim.Optimizer
@@ -93,6 +94,7 @@ class Training:
     state: TrainState
     cursors: dict[int, tuple[int, int]] = field(default_factory=dict)  # this rank's, after the last step
     powersgd: PowerSGDState | None = None  # train.grad_compression=powersgd in DDP: this rank's state
+    compiled: CompileWatch | None = None  # train.compile: counts and saves the compiled graphs
 
 
 def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
@@ -138,14 +140,16 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     if exact and sharded is None:
         ExactGradSum.broadcast_parameters(raw_model)
         reducer = ExactGradSum(raw_model, env.device, extra=reduce_extra)
-    if cfg.train.compile:
-        model = torch.compile(model)
+    compiled = prepare_compile(cfg, env.world_rank)  # caches set up before anything compiles
+    if compiled is not None:  # in place: checkpoints, DDP and the optimizer see the eager module
+        compiled.modules = compile_model(raw_model, cfg.train.compile_modules)
     setup = StepSetup(
         device=env.device, world_size=env.world_size, precision=cfg.train.precision,
         grad_clip=cfg.train.grad_clip, seed=cfg.train.seed, scaler=scaler, exact=reducer,
         count_targets=loss_fn is not None, pad_id=cfg.data.pad_id or 0,
         extra_columns=env.extra_columns, sharded=sharded)
-    return Training(model, raw_model, loss_module, optimizer, setup, state, powersgd=powersgd)
+    return Training(model, raw_model, loss_module, optimizer, setup, state, powersgd=powersgd,
+                    compiled=compiled)
 
 
 def _shard(loss_module: LossModule, raw_model: torch.nn.Module, cfg: Config, device: torch.device,

@@ -174,6 +174,8 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                         micro_batches=int(n_mb), **_cuda_memory(env.device),
                         **(_rank_fields(per_rank, world_size) if previous else {}),
                     ))
+                if t.compiled is not None:  # graphs this step compiled or loaded: an event
+                    t.compiled.after_step(state.step, time.perf_counter() - t0, env.log_event)
                 env.inject_faults(state.step)
                 step_s = time.perf_counter() - t0
                 tail_s = step_s - step_time_s
