@@ -32,6 +32,7 @@ pytestmark = pytest.mark.dist
 pytest.importorskip("peft")
 
 CRASH_AT, SAVE_EVERY, STEPS = 5, 4, 6
+DDP = ("train.grad_reduce=ddp", "train.max_steps=3")
 
 
 class Crash(RuntimeError):
@@ -62,14 +63,15 @@ class RankEnv(LocalEnv):
             raise Crash(step)
 
 
-def lora_config(base: str, data: str, sharding: str):
+def lora_config(base: str, data: str, sharding: str, *extra: str):
     return load_config(None, [
         "model.name=hf", f"model.path={base}", f"data.path={data}", "model.lora.r=4",
         "model.lora.alpha=8", "model.lora.target_modules=[q_proj, v_proj]", "optim.lr=0.01",
         "model.base_dtype=bf16", "data.max_seq_len=64", "data.micro_batch_tokens=256",
         "data.global_batch_tokens=1024", "eval.fraction=0", "log.progress=none",
         f"train.max_steps={STEPS}", f"checkpoint.every_steps={SAVE_EVERY}",
-        "checkpoint.keep_best=false", f"train.sharding={sharding}", "train.grad_reduce=exact"])
+        "checkpoint.keep_best=false", f"train.sharding={sharding}", "train.grad_reduce=exact",
+        *extra])
 
 
 def run(cfg, folder: Path, **env_kwargs) -> LocalEnv:
@@ -92,6 +94,9 @@ def _worker(rank: int, world_size: int, base: str, data: str, root: str) -> None
     ckpt = root / "crashed" / f"checkpoint_{SAVE_EVERY:09d}"
     env = run(cfg, root / f"resumed{world_size}", resume_from=str(ckpt))
     losses["resumed"] = [s["loss"] for s in env.steps]
+    if world_size == 2:  # the ddp reduction (one fp32 all-reduce of the adapters' gradients)
+        env = run(lora_config(base, data, "fsdp", *DDP), root / "ddp")
+        losses["ddp"] = [s["loss"] for s in env.steps]
     if rank == 0:
         (root / f"losses{world_size}.json").write_text(json.dumps(losses))
 
@@ -131,7 +136,8 @@ def worlds(base_llama, sft_data, tmp_path_factory):
         run_ranks(_worker, world_size, root, base_llama, sft_data, str(root),
                   start_method="forkserver")
     unsharded = train_locally(lora_config(base_llama, sft_data, "none"), extra_columns=("loss_mask",))
-    return root, unsharded
+    ddp = train_locally(lora_config(base_llama, sft_data, "none", *DDP), extra_columns=("loss_mask",))
+    return root, unsharded, ddp
 
 
 def final(folder: Path) -> dict[str, torch.Tensor]:
@@ -141,7 +147,7 @@ def final(folder: Path) -> dict[str, torch.Tensor]:
 def test_lora_on_a_sharded_base_is_one_unsharded_process_to_the_bit(worlds):
     """Crashed at W=2, resumed at W=2 and at W=1 (a resize): every step's loss and the final
     adapters are those of one unsharded LoRA process."""
-    root, unsharded = worlds
+    root, unsharded, ddp = worlds
     want = unsharded.final["model"]
     want_losses = [s["loss"] for s in unsharded.steps]
     assert len(want_losses) == STEPS and want_losses[0] != want_losses[-1]
@@ -156,10 +162,18 @@ def test_lora_on_a_sharded_base_is_one_unsharded_process_to_the_bit(worlds):
             assert torch.equal(got[name], tensor), (world_size, name)
         state = read_state(root / f"resumed{world_size}" / f"checkpoint_{STEPS:09d}")
         assert state["world_size"] == world_size and state["train_state"]["step"] == STEPS
+    # train.grad_reduce=ddp at W=2: fp32 sums, so equal to fp32 round-off (the order of the
+    # additions differs with W); a lost or doubled gradient would move the loss by percents
+    ddp_losses = json.loads((root / "losses2.json").read_text())["ddp"]
+    assert ddp_losses == pytest.approx([s["loss"] for s in ddp.steps], rel=1e-5)
+    saved = read_shards(root / "ddp" / f"checkpoint_{3:09d}", "model")
+    for name, tensor in ddp.final["model"].items():
+        if name != BASE_KEY:
+            torch.testing.assert_close(saved[name], tensor, rtol=1e-4, atol=1e-6)
 
 
 def test_the_checkpoint_holds_the_adapters_and_the_base_hash_only(worlds, base_llama):
-    root, _ = worlds
+    root, *_ = worlds
     ckpt = root / "crashed" / f"checkpoint_{SAVE_EVERY:09d}"
     saved = read_shards(ckpt, "model")
     adapters = {n: t for n, t in saved.items() if n != BASE_KEY}
@@ -182,7 +196,7 @@ def test_the_export_of_a_sharded_lora_run_loads_its_adapters(worlds, base_llama,
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    root, _ = worlds
+    root, *_ = worlds
     run_dir = root / "resumed2"
     (run_dir / "config.yaml").write_text(lora_config(base_llama, sft_data, "fsdp").to_yaml())
     trained = load_trained(run_dir)
