@@ -72,6 +72,8 @@ def test_adapters_of_another_base_are_refused_by_name(llama_folder):
     (["model.lora.r=0", "model.base_dtype=bf16"], "model.base_dtype=bf16"),
     (["model.lora.r=-1"], "model.lora.r must be >= 0"),
     (["model.base_dtype=fp16"], "model.base_dtype must be fp32 or bf16"),
+    (["model.name=gpt", "scaling.use_gpu=true", "model.lora.load_in_4bit=true"],
+     "quantises a transformers model as it loads"),
 ])
 def test_lora_settings_that_cannot_work_are_refused_by_name(llama_folder, overrides, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
@@ -135,3 +137,21 @@ def test_a_folders_hash_is_cached_per_node_until_its_files_change(weights_folder
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors").write_bytes(data)  # another inode and ctime
     assert folder_hash(folder) == real
+
+
+def test_qlora_loads_a_4bit_base_on_a_gpu_and_is_refused_by_name_without_one(weights_folder):
+    """A valid QLoRA config (GPU workers) built by a worker: with CUDA, a 4-bit base under fp32
+    adapters, hashed as the folder's stored weights; without (this suite's CPU machines), one
+    clear error naming the key."""
+    from elastic_train.training.basehash import files_hash, weight_files
+
+    folder = weights_folder / "one"
+    cfg = lora_cfg(str(folder), "scaling.use_gpu=true", "model.lora.load_in_4bit=true")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"load_in_4bit \(QLoRA\) needs a CUDA GPU"):
+            build_model(cfg.model, 64)
+        return
+    model = build_model(cfg.model, 64)
+    assert model.peft.get_base_model().is_loaded_in_4bit
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    assert bytes(getattr(model, BASE_KEY).tolist()) == files_hash(weight_files(folder))
