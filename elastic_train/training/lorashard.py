@@ -12,6 +12,8 @@ and loads such a model as checkpoint.py does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,7 +30,8 @@ from elastic_train.training.sharding import ShardedReduce, ensure_process_group,
 def shard_frozen_base(root: nn.Module, model: LoraModel, *, exact: bool, reshard_after_forward: bool,
                       shard_modules: list[str], device: torch.device) -> LoraShardedReduce:
     """`train.sharding=fsdp` with LoRA: the frozen base sharded by FSDP2 in its own dtype, the
-    adapters left whole on every rank (module docstring, "With train.sharding=fsdp")."""
+    adapters left whole on every rank (this module's docstring; lora.py's, "With
+    train.sharding=fsdp", says why). Returns the step's reduction for the adapters."""
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     adapters = [p for p in model.parameters() if p.requires_grad]  # a list: the same order on every rank
@@ -102,7 +105,10 @@ class LoraShardedReduce(ShardedReduce):
             self.params, max_norm if max_norm > 0 else float("inf")))
 
 
-def _moves_into(acc: torch.Tensor):
+def _moves_into(acc: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook: the gradient just accumulated into `acc` (float64), `.grad`
+    emptied, as ExactGradSum.add_grads does after each backward."""
+
     def hook(p: torch.Tensor) -> None:
         acc.add_(p.grad)
         p.grad = None
