@@ -106,3 +106,30 @@ PY
 .venv/bin/elastic-train export "$STORE/qlora" --output "$STORE/qlora-merged" --merge
 test -f "$STORE/qlora-adapter/adapter_config.json" && test -f "$STORE/qlora-merged/config.json"
 .venv/bin/elastic-train sample "$STORE/qlora" --prompt "def " --max-new-tokens 20
+# 6. train.compile (issue 31): the ~100M GPT compiled block by block (bf16) beside eager (step 3's
+#    gpt100m): steady tokens/s, first step (Inductor + Triton), then the same run again in a new
+#    process: its first step loads the run's compile cache (the summary's compile_loaded/compiled).
+for run in gpt100m_compile gpt100m_compile_warm; do
+  .venv/bin/elastic-train train "${COMMON[@]}" run.name=$run train.precision=bf16 train.max_steps=60 \
+      checkpoint.every_steps=0 model.n_layer=12 model.d_model=768 model.n_head=12 data.max_seq_len=1024 \
+      data.micro_batch_tokens=16384 data.global_batch_tokens=65536 "log.peak_flops=$PEAK" \
+      train.compile=true "train.compile_modules=[Block]" \
+      "train.compile_cache_dir=$STORE/inductor-cache"
+done
+$PY - "$STORE" <<'PY'
+import json, statistics, sys, pathlib
+store = pathlib.Path(sys.argv[1])
+def steps(run):
+    return [json.loads(x) for x in (store / run / "metrics.jsonl").read_text().splitlines() if '"eval_loss"' not in x]
+eager = statistics.median(r["tokens_per_s"] for r in steps("gpt100m")[10:])
+for run in ("gpt100m_compile", "gpt100m_compile_warm"):
+    s = json.loads((store / run / "summary.json").read_text())
+    rs = steps(run)
+    tps = statistics.median(r["tokens_per_s"] for r in rs[10:])
+    print("%s: %.0f tokens/s (eager %.0f, x%.3f), first step %.1f s, graphs %s, loaded %s, compiled %s" % (
+        run, tps, eager, tps / eager, rs[0]["step_time_s"], s["compiled_graphs"], s["compile_loaded"],
+        s["compile_compiled"]))
+    assert s["status"] == "finished" and s["compiled_graphs"] <= 4, s
+    if run.endswith("warm"):
+        assert s["compile_compiled"] == 0 and s["compile_loaded"] > 0, s
+PY
