@@ -1,17 +1,22 @@
 """train.compile: the model under torch.compile, with shapes bounded, recompiles counted, and
 compiled code kept across the run's processes.
 
-Three things make compile different here than in a fixed-shape trainer:
+What makes compile different here from a fixed-shape trainer:
 
 - Length-bucketed token-budget micro-batches change shape (rows x length) from one micro-batch to
   the next. Left to itself, dynamo compiles the first shape it sees as static and recompiles with
-  dynamic sizes at the second, so which kernel computes a given shape depends on what this
-  process saw first. A restarted process sees another first shape, and its numerics differ from
-  an uninterrupted run's in the last bits (measured: 3.209083797 against 3.209082630 after a
-  crash at step 10). Compiling with `dynamic=True` from the first call gives every process the
-  same graphs for the same shapes: one with symbolic rows and length, and one for single-row
-  micro-batches (dynamo always specialises a size of 1). That keeps the exact reduction's
-  promise: the same bits at any world size and across restarts.
+  dynamic sizes at the second: three graphs or more over an epoch, and which one computes a shape
+  depends on the order shapes came in. Compiled with `dynamic=True` from the first call, every
+  process has the same graphs: one with symbolic rows and length, and one for single-row
+  micro-batches (dynamo always specialises a size of 1).
+- The exact reduction promises the same bits at any world size and across restarts. Compiling the
+  loss with the model (as `torch.compile` of the whole LossModule did) broke that: a run crashed at
+  step 10 and resumed ended at 3.175512563649605 against 3.175512532301297 uninterrupted (default
+  model, 2 workers, 16 steps), likely because the loss's float32 sum over every target is a
+  reduction Inductor orders by what it knows of the size, and the loss's host-side target count and
+  chunk loop break its graph into shape-specialised pieces. The model alone, compiled as here, ends
+  both runs at 3.1755129084809965, and 1 and 2 workers alike (tests/test_compile.py, which fails
+  with the whole LossModule compiled).
 - Every restart, resize and replacement starts new processes that would compile again from
   nothing. Inductor's own caches (FX graph and AOTAutograd caches) are pointed at a node-local
   folder shared by the run's attempts (`cache_folder`), and every process that compiled a new
