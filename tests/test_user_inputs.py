@@ -161,10 +161,12 @@ def test_relative_paths_are_resolved_on_the_driver(data_a, tmp_path, monkeypatch
     assert cfg.run.storage_path == str(tmp_path / "runs")
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = hf_config("~/models/tiny", "~/data", "s3://bucket/runs")
+    cfg.train.compile_cache_dir = "compile_cache"
     from elastic_train.preflight.resolve import resolve_paths
 
     resolve_paths(cfg)
     assert cfg.model.path == str(tmp_path / "models/tiny") and cfg.data.path == str(tmp_path / "data")
+    assert cfg.train.compile_cache_dir == str(tmp_path / "compile_cache")
     assert cfg.run.storage_path == "s3://bucket/runs"  # a URI stays as it is
 
 

@@ -9,7 +9,8 @@ import os
 from elastic_train.config import Config, ConfigError, gpt_config
 from elastic_train.training.model import ModelFn
 
-PATH_KEYS = (("data", "path"), ("eval", "path"), ("model", "path"), ("run", "storage_path"))
+PATH_KEYS = (("data", "path"), ("eval", "path"), ("model", "path"), ("run", "storage_path"),
+             ("train", "compile_cache_dir"))
 
 
 def resolve_config(cfg: Config, model_fn: ModelFn | None = None) -> None:
