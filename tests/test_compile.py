@@ -145,7 +145,7 @@ def runs(small_dataset, tmp_path_factory):
     return out
 
 
-@pytest.mark.dist
+@pytest.mark.slow  # gloo processes, no Ray; each compiles: ~100 s, out of the fast tiers
 def test_compiled_training_is_the_same_to_the_bit_on_1_and_2_workers(runs):
     (w1, events1), (w2, _) = runs["w1"], runs["w2"]
     for name, p in w1.items():
@@ -153,7 +153,7 @@ def test_compiled_training_is_the_same_to_the_bit_on_1_and_2_workers(runs):
     assert events1[0]["compiled"] > 0 and events1[0]["step"] == 1  # the first step compiled
 
 
-@pytest.mark.dist
+@pytest.mark.slow  # gloo processes, no Ray; each compiles: ~100 s, out of the fast tiers
 def test_a_resumed_process_on_a_new_node_loads_the_cache_and_ends_to_the_bit(runs):
     (w1, _), (resumed, events) = runs["w1"], runs["resumed"]
     for name, p in w1.items():

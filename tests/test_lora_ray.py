@@ -130,15 +130,18 @@ def test_lora_crash_and_resume_equals_one_uninterrupted_process(
 def test_exports_load_with_peft_and_from_pretrained_and_give_the_eval_loss(
         ray_cluster, base_llama, sft_dataset, tmp_path):
     """A LoRA run keeping its best checkpoint: loaded, exported as adapters (peft) and merged
-    (transformers alone), each gives the best evaluation's loss on the held-out examples."""
+    (transformers alone), each gives the best evaluation's loss on the held-out examples. Then
+    the same run resumed with model.path on other weights: it stops at once (no retries) with
+    the refusal, and its checkpoints are untouched."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    cfg = load_config(None, [*LORA, f"model.path={base_llama}", f"data.path={sft_dataset}",
-                             f"run.storage_path={tmp_path}", "run.name=ex", "fault.crash_at_step=null",
-                             "scaling.min_workers=1", "scaling.max_workers=1", "train.max_steps=4",
-                             "checkpoint.keep_best=true", "eval.every_steps=2"])
-    result = train(cfg)
+    from elastic_train.api import TrainingFailed
+
+    common = [*LORA, f"data.path={sft_dataset}", f"run.storage_path={tmp_path}", "run.name=ex",
+              "fault.crash_at_step=null", "scaling.min_workers=1", "scaling.max_workers=1",
+              "checkpoint.keep_best=true", "eval.every_steps=2"]
+    result = train(load_config(None, [*common, f"model.path={base_llama}", "train.max_steps=4"]))
     run_loss = result.summary["best_eval_loss"]  # export and load_trained take the best checkpoint
     trained = load_trained(result.run_dir)
     assert trained.checkpoint.name.startswith("best_checkpoint_")
@@ -156,25 +159,14 @@ def test_exports_load_with_peft_and_from_pretrained_and_give_the_eval_loss(
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     assert eval_loss(merged, sft_dataset) == pytest.approx(run_loss, rel=1e-5)
 
-
-def test_a_resume_on_another_base_stops_the_run_naming_it(ray_cluster, base_llama, sft_dataset,
-                                                          tmp_path):
-    """A LoRA run, then the same run resumed with model.path on other weights: it stops at
-    once (no retries) with the refusal, and its checkpoints are untouched."""
-    from transformers import AutoModelForCausalLM
-
-    from elastic_train.api import TrainingFailed
-
     other = tmp_path / "other_base"
     model = AutoModelForCausalLM.from_pretrained(base_llama)
     with torch.no_grad():
         model.lm_head.weight.add_(0.01)
     model.save_pretrained(other)
-    common = [*LORA, f"data.path={sft_dataset}", f"run.storage_path={tmp_path}", "run.name=b",
-              "fault.crash_at_step=null", "scaling.min_workers=1", "scaling.max_workers=1",
-              "eval.fraction=0"]
-    train(load_config(None, [*common, f"model.path={base_llama}", "train.max_steps=2"]))
-    before = sorted(p.name for p in (tmp_path / "b").glob("checkpoint_*"))
+    before = {p.name: p.stat().st_mtime_ns for p in Path(result.run_dir).rglob("*")
+              if "checkpoint_" in str(p) and p.is_file()}
     with pytest.raises(TrainingFailed, match="trained on another base model"):
-        train(load_config(None, [*common, f"model.path={other}", "train.max_steps=4"]))
-    assert sorted(p.name for p in (tmp_path / "b").glob("checkpoint_*")) == before
+        train(load_config(None, [*common, f"model.path={other}", "train.max_steps=8"]))
+    assert {p.name: p.stat().st_mtime_ns for p in Path(result.run_dir).rglob("*")
+            if "checkpoint_" in str(p) and p.is_file()} == before

@@ -23,7 +23,7 @@ from localenv import LocalEnv, train_locally
 
 from elastic_train import load_config
 
-pytestmark = pytest.mark.soak  # 30 s: too long for the fast tiers (unit and dist, under 2 minutes)
+pytestmark = pytest.mark.slow  # 30 s: too long for the fast tiers (unit and dist, under 2 minutes)
 
 EPOCHS = 40
 

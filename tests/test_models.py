@@ -83,15 +83,19 @@ def assert_equal_weights(got: dict, want: dict) -> None:
 
 
 def test_hf_llama_survives_a_crash_exports_and_samples(bpe_dataset, llama_folder, tmp_path):
-    out = cli("train", "model.name=hf", f"model.path={llama_folder}", f"data.path={bpe_dataset}",
-              f"run.storage_path={tmp_path}", "run.name=llama", *SMALL,
-              "fault.crash_at_step=5", "fault.crash_rank=1", "scaling.max_failures=2", cwd=tmp_path)
+    """Also: model.path relative to the driver's folder is resolved there, so the workers
+    (elsewhere) find it, and the run's config.yaml holds the absolute path."""
+    out = cli("train", "model.name=hf", f"model.path={Path(llama_folder).name}",
+              f"data.path={bpe_dataset}", f"run.storage_path={tmp_path}", "run.name=llama", *SMALL,
+              "fault.crash_at_step=5", "fault.crash_rank=1", "scaling.max_failures=2",
+              cwd=Path(llama_folder).parent)
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = tmp_path / "llama"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["restarts"] == 1
     assert summary["world_sizes"] == [2, 2]
     cfg = run_config(run_dir)
+    assert cfg.model.path == llama_folder
     assert cfg.data.pad_id == 1  # the tokenizer's <pad>, recorded by prepare
     # The crashed 2-worker run ends with the weights of one uninterrupted process.
     reference = train_locally(cfg)
@@ -190,18 +194,6 @@ def test_an_inline_model_and_loss_through_the_python_api(ray_cluster, labelled_d
     assert main(["export", result.run_dir, "--output", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
     assert load_trained(result.run_dir, model_fn=make_bigram).model.table.weight.shape[0] == 256
-
-
-def test_a_relative_model_path_trains(ray_cluster, bpe_dataset, llama_folder, tmp_path, monkeypatch):
-    """model.path relative to the driver's folder: resolved there, so the workers (elsewhere) find
-    it; the run's config.yaml holds the absolute path."""
-    monkeypatch.chdir(Path(llama_folder).parent)
-    cfg = load_config(None, [*SMALL, "model.name=hf", f"model.path={Path(llama_folder).name}",
-                             f"data.path={bpe_dataset}", f"run.storage_path={tmp_path}",
-                             "run.name=relative", "train.max_steps=2", "checkpoint.every_steps=0"])
-    result = train(cfg)
-    assert result.summary["status"] == "finished" and result.summary["steps"] == 2
-    assert run_config(Path(result.run_dir)).model.path == llama_folder
 
 
 def test_a_bad_row_stops_the_run_once_naming_it(ray_cluster, small_dataset, tmp_path):

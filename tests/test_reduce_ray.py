@@ -1,12 +1,13 @@
 """The gradient reduction through Ray on 2 CPU workers: `auto` chooses exact and keeps its choice
-across a restart; each communication hook trains and resumes after a crash on its own curve.
+across a restart; a communication hook trains and resumes after a crash on its own curve.
 
 Each run crashes rank 1 at step 7 with checkpoints every 4 steps, so the restart replays steps
 5-7 from the step-4 checkpoint. Attempt 0 trained those steps uninterrupted: the replayed losses
 must equal them to the bit. The loss of step 6 is computed with the weights that step 5's
 compressed gradient made, so with PowerSGD it checks that each rank got its own error feedback
-back (a fresh state gives other weights: tests/test_commhooks_dist.py). One run per case keeps
-this module at four fits.
+back (a fresh state gives other weights: tests/test_commhooks_dist.py). The stateless fp16 and
+bf16 hooks are registered by the same code from the same key, and are held against one process at
+the dist tier there; a Ray run of their own would prove nothing more. Two fits in all.
 """
 
 from __future__ import annotations
@@ -51,9 +52,8 @@ def test_auto_chooses_exact_on_cpu_and_keeps_it_across_a_restart(ray_cluster, sm
     assert (result.summary["grad_reduce"], result.summary["grad_compression"]) == ("exact", "none")
 
 
-@pytest.mark.parametrize("compression", ["fp16", "bf16", "powersgd"])
-def test_each_hook_trains_and_resumes_after_a_crash_on_its_curve(ray_cluster, small_dataset,
-                                                                 tmp_path, compression):
+def test_a_hook_trains_and_resumes_after_a_crash_on_its_curve(ray_cluster, small_dataset, tmp_path):
+    compression = "powersgd"  # the hook with state: each rank's error feedback, saved and restored
     result = run(tmp_path, small_dataset, compression, *CRASH, "train.grad_reduce=ddp",
                  f"train.grad_compression={compression}", "train.powersgd_warmup_steps=2")
     assert_replay_matches_first_attempt(result)

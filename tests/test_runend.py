@@ -132,17 +132,6 @@ def test_a_crash_is_one_line_of_ours_and_a_rerun_changes_nothing(small_dataset, 
     assert snapshot_files(folder) == before
 
 
-def test_a_users_resume_is_not_a_restart(ray_cluster, small_dataset, tmp_path):
-    cfg = [*TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}", "run.name=more",
-           "checkpoint.every_steps=4"]
-    train(load_config(None, [*cfg, "train.max_steps=4"]))
-    result = train(load_config(None, [*cfg, "train.max_steps=8"]))
-    assert result.summary["steps"] == 8 and result.note is None
-    assert (result.summary["restarts"], result.summary["resumes"]) == (0, 1)
-    causes = [a["cause"] for a in json.loads((tmp_path / "more" / "attempts.json").read_text())]
-    assert causes == ["start", "resume"]
-
-
 def _held(run_ids_before: set[str]) -> tuple[list[str], list[str]]:
     """Requests at Ray's autoscaling coordinator and placement groups not removed, beyond those
     held before."""

@@ -192,14 +192,18 @@ def test_hard_crash_resumes_exactly_once_with_the_same_loss(reference, small_dat
     check_png(report.throughput_png)
 
 
-def test_same_run_name_continues_and_refuses_another_model(ray_cluster, small_dataset, tmp_path):
+def test_same_run_name_continues_as_a_resume_and_refuses_another_model(ray_cluster, small_dataset, tmp_path):
     first = run(tmp_path, small_dataset, "again", "train.max_steps=6")
     assert first.summary["steps"] == 6
     second = run(tmp_path, small_dataset, "again", "train.max_steps=10")
     recs = metrics(second)
     new_attempt = [r for r in recs if r["attempt"] == 1]
     assert new_attempt and new_attempt[0]["step"] == 7  # from the step-6 checkpoint, not step 1
-    assert second.summary["steps"] == 10
+    assert second.summary["steps"] == 10 and second.note is None
+    # the user's resume is counted as one, not as a restart (a failure)
+    assert (second.summary["restarts"], second.summary["resumes"]) == (0, 1)
+    causes = [a["cause"] for a in json.loads((tmp_path / "again" / "attempts.json").read_text())]
+    assert causes == ["start", "resume"]
     # Another model on the same run: refused before any worker starts, the run folder untouched.
     before = {p: p.read_bytes() for p in (tmp_path / "again").rglob("*") if p.is_file()}
     with pytest.raises(ConfigError, match="checkpoint_000000010 does not fit the configured model"):
