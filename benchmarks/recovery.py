@@ -4,7 +4,9 @@ Default: one run of the default model with a checkpoint every 10 steps; worker r
 (os._exit) after step 25. Reports: seconds from the death to the first step after the restart,
 steps lost (trained again), the loop's blocked seconds per checkpoint as a fraction of a step, and
 the goodput ledger. `--recovery in_place` runs the same with in-place recovery (torchft): the
-survivor's next committed step after the death, and the replacement's join.
+survivor's next committed step after the death, and the replacement's join. `--compile warm`
+turns train.compile on (the restart loads the run's compile cache); `--compile cold` deletes the
+caches as the worker dies, so the restart compiles again (issue 31: recovery time with compile on).
 
 `--goodput`: for each mode (restart, then in_place), a run of `--clean-steps` steps never
 interrupted (its steady rate), then a run of `--steps` steps with the youngest training worker
@@ -14,6 +16,7 @@ run's steps per second of training (first step to last) / the uninterrupted run'
 from each kill to the next committed step.
 
     .venv/bin/python benchmarks/recovery.py [--steps 40] [--crash-at 25] [--every 10] [--recovery in_place]
+        [--compile cold|warm]
     .venv/bin/python benchmarks/recovery.py --goodput [--steps 1400] [--crash-every 60] [--clean-steps 150]
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import threading
@@ -30,18 +34,51 @@ from elastic_train import load_config
 from elastic_train.api import train
 from elastic_train.observe.summary import read_jsonl
 from elastic_train.recovery.chaos import FaultSchedule
+from elastic_train.training.compile import CACHE_SUBFOLDER, cache_folder
 
 BASE = ["log.progress=none", "eval.fraction=0", "checkpoint.keep_best=false"]
 
 
+class ColdCache:
+    """`--compile cold`: once the crash is logged, the run's compile caches (the node-local
+    folder and the run folder's artifacts) are deleted before the restarted workers can read
+    them, so the restart compiles from nothing, as on a node new to the run without the run
+    folder's cache. The restarted attempt's `compile` events say whether it did (loaded 0)."""
+
+    def __init__(self, cfg) -> None:
+        self.folders = [Path(cache_folder(cfg)), Path(cfg.run.storage_path) / cfg.run.name / CACHE_SUBFOLDER]
+        self.events = Path(cfg.run.storage_path) / cfg.run.name / "events.jsonl"
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.02):
+            if self.events.is_file() and '"crash_injected"' in self.events.read_text():
+                for folder in self.folders:
+                    shutil.rmtree(folder, ignore_errors=True)
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
 def single_crash(args) -> dict:
     with tempfile.TemporaryDirectory() as storage:
+        compiled = ["train.compile=true",
+                    f"train.compile_cache_dir={storage}/compile_cache"] if args.compile else []
         cfg = load_config(None, [
             *BASE, f"run.storage_path={storage}", "run.name=recovery", f"train.max_steps={args.steps}",
             f"checkpoint.every_steps={args.every}", f"fault.crash_at_step={args.crash_at}",
-            "fault.crash_rank=1", f"fault.recovery={args.recovery}",
+            "fault.crash_rank=1", f"fault.recovery={args.recovery}", *compiled,
         ])
-        result = train(cfg)
+        cold = ColdCache(cfg) if args.compile == "cold" else None
+        try:
+            result = train(cfg)
+        finally:
+            if cold:
+                cold.stop()
         folder = Path(result.run_dir)
         records = sorted(read_jsonl(folder / "metrics.jsonl"), key=lambda r: r["time"])
         events = read_jsonl(folder / "events.jsonl")
@@ -51,9 +88,13 @@ def single_crash(args) -> dict:
     step_s = statistics.median(r["step_time_s"] for r in records)
     ledger = result.summary["ledger"]
     joined = [e for e in events if e["event"] == "healed" and e["time"] > crash["time"]]
+    restarted = [e for e in events if e["event"] == "compile" and e["time"] > crash["time"]]
     figures = {
         "benchmark": "recovery",
         "recovery": args.recovery,
+        "compile": args.compile or "off",
+        "restart_compile_events": [{k: e.get(k) for k in ("rank", "step", "loaded", "compiled",
+                                                         "seeded_artifacts")} for e in restarted],
         "death_to_first_step_s": after[0]["time"] - crash["time"],
         "steps_lost": result.summary["replayed_steps"],
         "death_to_replacement_joined_s": joined[0]["time"] - crash["time"] if joined else None,
@@ -63,7 +104,8 @@ def single_crash(args) -> dict:
         "goodput": ledger["goodput"],
         "ledger": {k: round(v, 3) for k, v in ledger.items()},
     }
-    print(f"[{args.recovery}] worker death -> next committed step: {figures['death_to_first_step_s']:.1f} s")
+    print(f"[{args.recovery}, compile {args.compile or 'off'}] worker death -> next committed step: "
+          f"{figures['death_to_first_step_s']:.1f} s")
     print(f"steps lost: {figures['steps_lost']} (checkpoint every {args.every})")
     print(f"loop blocked per checkpoint: {figures['checkpoint_blocked_s'] * 1e3:.1f} ms = "
           f"{figures['checkpoint_blocked_fraction_of_step']:.2%} of a {step_s:.2f} s step")
@@ -126,6 +168,8 @@ def main() -> None:
     p.add_argument("--goodput", action="store_true")
     p.add_argument("--crash-every", type=float, default=60.0)
     p.add_argument("--clean-steps", type=int, default=150)
+    p.add_argument("--compile", choices=["cold", "warm"], default=None,
+                   help="train.compile=true; cold: the restart finds no compile cache (ColdCache)")
     args = p.parse_args()
     if args.goodput:
         args.steps = args.steps or 1400  # about 10 minutes of faulty training on 2 cores

@@ -104,3 +104,39 @@ def pytest_unconfigure(config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_EXIT_STATUS[-1])
+
+
+@pytest.fixture(scope="session")
+def base_llama(tmp_path_factory) -> str:
+    """A tiny Llama with its weights saved (a base that from_pretrained loads alone): the base of
+    the LoRA tests."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    folder = tmp_path_factory.mktemp("base")
+    config = LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=128, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+def prepare_sft_pairs(tokenizer: str, root: Path, eval_fraction: float = 0.0) -> str:
+    """Prompt/response pairs, prepared in `root/data`: a line of textwrap.py and the line after it
+    (a loss_mask column); `eval_fraction` of them held out."""
+    import json
+
+    from elastic_train.data.prepare import prepare
+
+    lines = [line for line in (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py")
+             .read_text().splitlines() if line.strip()]
+    with open(root / "pairs.jsonl", "w") as handle:
+        for i in range(0, len(lines) - 1, 2):
+            handle.write(json.dumps({"prompt": f"Next line after: {lines[i]}\n",
+                                     "response": lines[i + 1]}) + "\n")
+    prepare([root / "pairs.jsonl"], root / "data", max_seq_len=64, tokenizer=tokenizer,
+            rows_per_block=8, eval_fraction=eval_fraction)
+    return str(root / "data")
+

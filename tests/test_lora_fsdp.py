@@ -13,17 +13,16 @@ would add nothing: its steps are the crashed run's and the resumed run's, both c
 from __future__ import annotations
 
 import json
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import prepare_sft_pairs
 from localenv import LocalEnv, train_locally
 from ranks import run_ranks
 
 from elastic_train import load_config
-from elastic_train.data.prepare import prepare
 from elastic_train.export import export, load_trained
 from elastic_train.training.checkpoint import read_shards, read_state, write_checkpoint
 from elastic_train.training.lora import BASE_KEY
@@ -102,31 +101,9 @@ def _worker(rank: int, world_size: int, base: str, data: str, root: str) -> None
 
 
 @pytest.fixture(scope="module")
-def base_llama(tmp_path_factory) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(7)
-    folder = tmp_path_factory.mktemp("base")
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-        tie_word_embeddings=True)).save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
 def sft_data(bpe_tokenizer, tmp_path_factory) -> str:
     """Prompt/response pairs: a line of textwrap.py and the line after it (a loss_mask column)."""
-    lines = [line for line in (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py")
-             .read_text().splitlines() if line.strip()]
-    root = tmp_path_factory.mktemp("sft")
-    with open(root / "pairs.jsonl", "w") as handle:
-        for i in range(0, len(lines) - 1, 2):
-            handle.write(json.dumps({"prompt": f"Next line after: {lines[i]}\n",
-                                     "response": lines[i + 1]}) + "\n")
-    prepare([root / "pairs.jsonl"], root / "data", max_seq_len=64, tokenizer=bpe_tokenizer,
-            rows_per_block=8)
-    return str(root / "data")
+    return prepare_sft_pairs(bpe_tokenizer, tmp_path_factory.mktemp("sft"))
 
 
 @pytest.fixture(scope="module")

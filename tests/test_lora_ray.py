@@ -5,8 +5,6 @@ merged export with from_pretrained alone, both giving the run's eval loss."""
 
 from __future__ import annotations
 
-import json
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from conftest import prepare_sft_pairs
 from localenv import train_locally
 
 from elastic_train import load_config
 from elastic_train.api import train
 from elastic_train.config import config_from_dict
 from elastic_train.data.batches import MicroBatch
-from elastic_train.data.prepare import prepare
 from elastic_train.export import export, generate, load_trained
 from elastic_train.training.checkpoint import read_shards
 from elastic_train.training.lora import BASE_KEY
@@ -49,32 +47,9 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def base_llama(tmp_path_factory) -> str:
-    """A tiny Llama with its weights saved (a base that from_pretrained loads alone)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(7)
-    folder = tmp_path_factory.mktemp("base")
-    config = LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=128, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
 def sft_dataset(bpe_tokenizer, tmp_path_factory) -> str:
     """Prompt/response pairs: a line of textwrap.py and the line after it, 20% held out."""
-    lines = [line for line in (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py")
-             .read_text().splitlines() if line.strip()]
-    root = tmp_path_factory.mktemp("sft")
-    with open(root / "pairs.jsonl", "w") as handle:
-        for i in range(0, len(lines) - 1, 2):
-            handle.write(json.dumps({"prompt": f"Next line after: {lines[i]}\n",
-                                     "response": lines[i + 1]}) + "\n")
-    prepare([root / "pairs.jsonl"], root / "data", max_seq_len=64, tokenizer=bpe_tokenizer,
-            rows_per_block=8, eval_fraction=0.2)
-    return str(root / "data")
+    return prepare_sft_pairs(bpe_tokenizer, tmp_path_factory.mktemp("sft"), eval_fraction=0.2)
 
 
 def lora_run(tmp_path: Path, base: str, data: str, name: str, workers: int, base_dtype: str):
