@@ -38,7 +38,7 @@ STEPS, SAVE_EVERY = 6, 3
 MAX_GRAPHS_PER_EPOCH = 2
 
 
-@pytest.mark.unit
+@pytest.mark.slow  # it compiles (~11 s): out of the fast tiers
 def test_an_epoch_of_the_embedded_corpus_compiles_at_most_two_graphs():
     """Every micro-batch of one epoch of the embedded corpus through the real batcher (its
     token budget and length buckets), through the compiled GPT. Forward only, without grad:
