@@ -106,7 +106,6 @@ class CompileWatch:
     modules: int = 0
     seeded: int = 0  # artifacts loaded from the run folder at start
     last: dict[str, int] = field(default_factory=dict)
-    compile_s: float = 0.0  # seconds of steps that compiled or loaded graphs
 
     def start(self) -> None:
         """Point Inductor at the run's node-local cache, and fill it from the run folder's saved
@@ -125,7 +124,6 @@ class CompileWatch:
             return
         delta = {k: now[k] - self.last.get(k, 0) for k in now}
         self.last = now
-        self.compile_s += step_s
         log_event({"event": "compile", "rank": self.world_rank, "step": step, "step_s": step_s,
                    "modules": self.modules, "seeded_artifacts": self.seeded,
                    "new_graphs": delta["graphs"], "total_graphs": now["graphs"],
