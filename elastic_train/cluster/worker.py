@@ -86,6 +86,8 @@ class RayWorkerEnv(FaultHooks):
         self._last_request_poll = -REQUEST_POLL_INTERVAL_S  # ... and when it was made
         self._last_poll: float | None = None  # preemption_notice: when it last ran ...
         self._step_intervals: deque[float] = deque(maxlen=8)  # ... and the times between
+        self._saving_requested = False  # ... whether the step since then saved a requested checkpoint
+        self._requested_checkpoint_s = 0.0  # ... and the longest such step (its commit included)
         self._preemption_seen = None  # the drain notice already acted on ...
         self._late_saved = False  # ... and whether its last checkpoint before the deadline was
         self.group = os.environ.get(GROUP_ENV)  # in-place recovery: the group start's token, or JOINING
@@ -232,11 +234,12 @@ class RayWorkerEnv(FaultHooks):
         if self._held_request:
             reason, self._held_request = self._held_request, None
             self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": reason})
-            self._request_granted = True
+            self._request_granted = self._saving_requested = True
             return True
         notice = self.preemption_notice()
         if notice:
             self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": notice})
+            self._saving_requested = True
             return True
         ref = self._request_ref
         if ref is None:
@@ -254,7 +257,7 @@ class RayWorkerEnv(FaultHooks):
         reason = ray.get(ref)
         if reason:
             self.runlog.log_event.remote({"event": "checkpoint_requested", "reason": reason})
-            self._request_granted = True
+            self._request_granted = self._saving_requested = True
         return bool(reason)
 
     def preemption_notice(self) -> str | None:
@@ -263,9 +266,10 @@ class RayWorkerEnv(FaultHooks):
         Ray Train's PreemptionWatcher polls Ray's drain table (spot reclaims, scale-downs) and marks
         every worker; the group keeps running until the drain deadline, then Ray restarts it
         without that node. A new notice asks for a checkpoint at once; when the notice carries a
-        deadline, one more is asked for as late as is safe (three of the slowest recent step
-        times, a checkpoint's included, and 0.5 s before it),
-        so that at most a few steps are lost. This reads the mark where
+        deadline, one more is asked for as late as is safe: the longest step that saved a
+        requested checkpoint (the first one's, its wait for Ray's commit included), plus three of
+        the slowest recent step times, plus 0.5 s before it, so that at most a few steps are lost
+        and the last checkpoint is committed before the node goes. This reads the mark where
         `ray.train.get_preemption_info()` reads it, without that call's barrier across workers (an
         actor round trip on every step): the step's own all-reduce spreads rank 0's answer.
         Ray-internal; if a later Ray moves it, drains are not seen here and cost what a lost node
@@ -273,7 +277,11 @@ class RayWorkerEnv(FaultHooks):
         """
         now = time.monotonic()
         if self._last_poll is not None:  # once per step: the recent step times, checkpoints too
-            self._step_intervals.append(now - self._last_poll)
+            interval = now - self._last_poll
+            self._step_intervals.append(interval)
+            if self._saving_requested:  # that step saved a requested checkpoint and waited for its commit
+                self._requested_checkpoint_s = max(self._requested_checkpoint_s, interval)
+        self._saving_requested = False
         self._last_poll = now
         try:
             from ray.train.v2._internal.execution.context import get_train_context
@@ -289,7 +297,7 @@ class RayWorkerEnv(FaultHooks):
             return f"node(s) {nodes} draining (ranks {info.preempted_ranks}, deadline_ms {info.deadline_ms})"
         if info.deadline_ms and not self._late_saved:
             left = info.deadline_ms / 1000 - time.time()
-            if left < 3 * max(self._step_intervals, default=1.0) + 0.5:
+            if left < self._requested_checkpoint_s + 3 * max(self._step_intervals, default=1.0) + 0.5:
                 self._late_saved = True
                 return f"node(s) {nodes} drained in {left:.1f} s: the last checkpoint before"
         return None
