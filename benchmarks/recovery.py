@@ -12,12 +12,15 @@ caches as the worker dies, so the restart compiles again (issue 31: recovery tim
 interrupted (its steady rate), then a run of `--steps` steps with the youngest training worker
 process killed (SIGKILL, from outside, as a crash-looping machine: after the first kill, the
 replacement; recovery/chaos.py) every `--crash-every` seconds; goodput = the faulty
-run's steps per second of training (first step to last) / the uninterrupted run's, and the seconds
-from each kill to the next committed step.
+run's steps per second / the uninterrupted run's, both counted from the end of step `--warm-up`
+to the last step (so that neither rate carries the first steps' start-up, which a short clean run
+would weigh far more than a long faulty one), and the seconds from each kill to the next
+committed step. The ledger's goodput (summary.json) is printed beside it.
 
     .venv/bin/python benchmarks/recovery.py [--steps 40] [--crash-at 25] [--every 10] [--recovery in_place]
         [--compile cold|warm]
-    .venv/bin/python benchmarks/recovery.py --goodput [--steps 1400] [--crash-every 60] [--clean-steps 150]
+    .venv/bin/python benchmarks/recovery.py --goodput [--steps 1000] [--crash-every 60] [--clean-steps 200]
+        [--warm-up 30]
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def single_crash(args) -> dict:
 
 
 def timed_run(storage: str, name: str, recovery: str, steps: int, every: int,
-              crash_every: float | None) -> dict:
+              crash_every: float | None, warm_up: int) -> dict:
     cfg = load_config(None, [
         *BASE, f"run.storage_path={storage}", f"run.name={name}", f"train.max_steps={steps}",
         "train.epochs=1000", f"checkpoint.every_steps={every}", f"fault.recovery={recovery}",
@@ -131,10 +134,12 @@ def timed_run(storage: str, name: str, recovery: str, steps: int, every: int,
             killer.stop()
             thread.join()
     records = sorted(read_jsonl(Path(result.run_dir) / "metrics.jsonl"), key=lambda r: r["time"])
-    first = records[0]["time"] - records[0]["step_time_s"]
+    # from the first time step `warm_up` was committed (a replayed step comes later) to the end
+    start = next(r["time"] for r in records if r["step"] == warm_up)
     kills = [k.time for k in killer.kills] if killer else []
     recover = [next((r["time"] for r in records if r["time"] > k), None) for k in kills]
-    return {"train_s": records[-1]["time"] - first, "kills": len(kills), "steps": steps,
+    return {"train_s": records[-1]["time"] - start, "kills": len(kills), "steps": steps - warm_up,
+            "early_kills": sum(k < start for k in kills),
             "kill_to_next_step_s": [round(r - k, 2) for k, r in zip(kills, recover, strict=True) if r],
             "steps_lost": result.summary["replayed_steps"], "restarts": result.summary["restarts"],
             "ledger_goodput": result.summary["ledger"]["goodput"]}
@@ -144,18 +149,20 @@ def goodput(args) -> dict:
     figures: dict = {"benchmark": "recovery_goodput", "steps": args.steps, "crash_every_s": args.crash_every}
     with tempfile.TemporaryDirectory() as storage:
         for mode in ("restart", "in_place"):
-            clean = timed_run(storage, f"{mode}_clean", mode, args.clean_steps, args.every, None)
-            faulty = timed_run(storage, f"{mode}_faulty", mode, args.steps, args.every, args.crash_every)
-            clean_rate = args.clean_steps / clean["train_s"]
-            rate = args.steps / faulty["train_s"]
+            clean = timed_run(storage, f"{mode}_clean", mode, args.clean_steps, args.every, None,
+                              args.warm_up)
+            faulty = timed_run(storage, f"{mode}_faulty", mode, args.steps, args.every, args.crash_every,
+                               args.warm_up)
+            clean_rate = clean["steps"] / clean["train_s"]
+            rate = faulty["steps"] / faulty["train_s"]
             figures[mode] = {"uninterrupted_steps_per_s": round(clean_rate, 3), **faulty,
                              "train_s": round(faulty["train_s"], 1), "steps_per_s": round(rate, 3),
                              "goodput": round(rate / clean_rate, 3)}
             f = figures[mode]
-            print(f"[{mode}] {args.steps} steps in {f['train_s']} s with {f['kills']} kills: "
-                  f"{rate:.2f} steps/s against {clean_rate:.2f} uninterrupted -> goodput "
-                  f"{f['goodput']:.2f}; kill -> next committed step {f['kill_to_next_step_s']} s; "
-                  f"steps lost {f['steps_lost']}")
+            print(f"[{mode}] steps {args.warm_up}-{args.steps} in {f['train_s']} s with {f['kills']} "
+                  f"kills: {rate:.3f} steps/s against {clean_rate:.3f} uninterrupted -> goodput "
+                  f"{f['goodput']:.3f} (ledger {f['ledger_goodput']:.3f}); kill -> next committed step "
+                  f"{f['kill_to_next_step_s']} s; steps lost {f['steps_lost']}")
     return figures
 
 
@@ -167,12 +174,13 @@ def main() -> None:
     p.add_argument("--recovery", choices=["restart", "in_place"], default="restart")
     p.add_argument("--goodput", action="store_true")
     p.add_argument("--crash-every", type=float, default=60.0)
-    p.add_argument("--clean-steps", type=int, default=150)
+    p.add_argument("--clean-steps", type=int, default=200)
+    p.add_argument("--warm-up", type=int, default=30, help="--goodput: rates counted from this step")
     p.add_argument("--compile", choices=["cold", "warm"], default=None,
                    help="train.compile=true; cold: the restart finds no compile cache (ColdCache)")
     args = p.parse_args()
     if args.goodput:
-        args.steps = args.steps or 1400  # about 10 minutes of faulty training on 2 cores
+        args.steps = args.steps or 1000  # about 10 minutes of faulty training on 2 cores
         figures = goodput(args)
     else:
         args.steps = args.steps or 40

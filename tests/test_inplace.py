@@ -89,6 +89,32 @@ def test_survivor_trains_on_and_the_replacement_heals_and_joins(reference, held_
 
 
 @pytest.mark.timeout(SLOW_TEST_S)
+def test_a_replacement_that_starts_after_the_last_step_joins_the_final_report(reference, held_out_dataset,
+                                                                             tmp_path):
+    """Rank 1 dies after the last step (20, a checkpoint step). The survivor writes that step's
+    checkpoint, marks the run finished and waits in Ray's final report, a barrier of every worker;
+    Ray's replacement of rank 1 finds the run over, restores that very checkpoint and must still
+    join the report without a share. (It once took the restored step for saved, skipped the
+    report, and the survivor waited for ever: found by killing replacements as they started.)
+    The steps are the uninterrupted run's first 20, to the bit."""
+    last = 20
+    result = run(tmp_path, held_out_dataset, "late", *IN_PLACE, f"train.max_steps={last}",
+                 f"fault.crash_at_step={last}", "fault.crash_rank=1")
+    s = result.summary
+    assert s["status"] == "finished" and s["steps"] == last and s["replayed_steps"] == 0, s
+    events = read_events(result)
+    recs = steps(result)
+    assert [r["step"] for r in recs] == list(range(1, last + 1))
+    late = [e for e in events if e["event"] == "worker_started" and e.get("joining")]
+    assert len(late) == 1 and late[0]["time"] > recs[-1]["time"], late
+    restored = [e for e in events if e["event"] == "restore" and e.get("pid") == late[0]["pid"]]
+    assert restored and restored[0]["checkpoint"].endswith(f"{last:09d}"), restored
+    ref = {r["step"]: r for r in steps(reference)}
+    assert [(r["loss"], r["grad_norm"]) for r in recs] == \
+        [(ref[r["step"]]["loss"], ref[r["step"]]["grad_norm"]) for r in recs]
+
+
+@pytest.mark.timeout(SLOW_TEST_S)
 def test_a_frozen_worker_is_left_behind_after_the_timeout_and_replaced(reference, held_out_dataset,
                                                                        tmp_path):
     """Rank 1 SIGSTOPped at step 8 or a little later (a slowed rank 1 gives the test time): the
