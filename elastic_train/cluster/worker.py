@@ -36,6 +36,7 @@ from elastic_train.training.watchdog import StepWatchdog, Verdict
 
 REQUEST_POLL_INTERVAL_S = 1.0  # how often rank 0 asks the RunLog whether a checkpoint is wanted
 REQUEST_COMMIT_WAIT_S = 60.0  # the longest rank 0 waits for Ray to commit a requested checkpoint
+REPORT_TRIES = 20  # a report Ray skipped (its barrier reset by a replacement) is made again this often
 LAST_EVENT_WAIT_S = 10.0  # the watchdog's wait for its event to be written before the process ends
 
 
@@ -45,6 +46,22 @@ def _broadcast_from_rank0(value: Any) -> Any:
         dist.broadcast_object_list(box, src=0)
         return box[0]
     return value
+
+
+def _reported(report) -> bool:
+    """Call `report` (a `ray.train.report`); False if Ray skipped it because its barrier was
+    reset: Ray 2.60 then takes back the report's index (`TrainContext.report_call_index`) and
+    returns as from a report. If a later Ray moves that counter, every report counts as made."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        context = get_train_context()
+        before = context.report_call_index
+    except Exception:  # noqa: BLE001 - see the docstring
+        report()
+        return True
+    report()
+    return context.report_call_index != before
 
 
 class RayWorkerEnv(FaultHooks):
@@ -186,16 +203,31 @@ class RayWorkerEnv(FaultHooks):
 
     def save_checkpoint(self, snap: dict | None, step: int, final: bool) -> None:
         """Every rank reports (a barrier) with its share of the checkpoint, written in the
-        background into the same checkpoint folder (`snap` None: this rank has no share)."""
+        background into the same checkpoint folder (`snap` None: this rank has no share).
+
+        In place, Ray resets that barrier when it replaces a replica group, and a rank waiting in
+        it returns from `ray.train.report` as if it had reported (Ray 2.60 logs "Synchronization
+        barrier was reset ... Skipping this report"). A survivor in its final report when its
+        peer died then ended without reporting, and the replacement waited in the barrier for
+        it for ever: a skipped report is made again (`_reported`)."""
         if step == self.last_saved_step:
             return
-        if snap is None:
-            self.last_saved_step = step
-            ray.train.report({"step": step})
-            return
         previous, self.last_saved_step = self.last_saved_step, step
+        for attempt in range(REPORT_TRIES):
+            if self._report_once(snap, step, final, previous, first=attempt == 0):
+                return
+            self.log_event({"event": "report_skipped", "step": step, "final": final,
+                            "why": "Ray reset the report barrier (a replica group replaced in place)"})
+        raise RuntimeError(f"Ray skipped the report of step {step} {REPORT_TRIES} times in a row: its "
+                           "barrier was reset by as many replacements of a replica group")
+
+    def _report_once(self, snap: dict | None, step: int, final: bool, previous: int,
+                     first: bool) -> bool:
+        if snap is None:
+            return _reported(lambda: ray.train.report({"step": step}))
         crash = (
-            self.fault.crash_in_checkpoint
+            first
+            and self.fault.crash_in_checkpoint
             and self.fault.crash_at_step == step
             and self.world_rank == 0
             and ray.get(self.runlog.claim_fault.remote(f"crash_in_checkpoint@{step}"))
@@ -216,13 +248,16 @@ class RayWorkerEnv(FaultHooks):
             write_checkpoint(snap, ckpt.path, crash_midway=crash)
             return storage.persist_current_checkpoint(ckpt, dir_name)  # Ray deletes the local copy
 
-        ray.train.report(
+        reported = _reported(lambda: ray.train.report(
             {"step": step},
             checkpoint=checkpoint,
             checkpoint_dir_name=f"checkpoint_{step:09d}",
             checkpoint_upload_mode=CheckpointUploadMode.SYNC if final else CheckpointUploadMode.ASYNC,
             checkpoint_upload_fn=upload_fn,
-        )
+        ))
+        if not reported:  # skipped before the upload: its folder was never used
+            shutil.rmtree(checkpoint.path, ignore_errors=True)
+        return reported
 
     def checkpoint_requested(self) -> bool:
         """Rank 0 only, never blocking: is a resize coming, so that a checkpoint now saves work?
