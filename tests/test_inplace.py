@@ -94,8 +94,11 @@ def test_a_replacement_that_starts_after_the_last_step_joins_the_final_report(re
     """Rank 1 dies after the last step (20, a checkpoint step). The survivor writes that step's
     checkpoint, marks the run finished and waits in Ray's final report, a barrier of every worker;
     Ray's replacement of rank 1 finds the run over, restores that very checkpoint and must still
-    join the report without a share. (It once took the restored step for saved, skipped the
-    report, and the survivor waited for ever: found by killing replacements as they started.)
+    join the report without a share. Two hangs it guards against: the replacement took the
+    restored step for saved and skipped its report (found by killing replacements as they
+    started); and Ray's replacement reset the barrier the survivor was waiting in, so that
+    `ray.train.report` returned without reporting and the survivor ended, leaving the replacement
+    in the barrier for ever (found by this test; worker.save_checkpoint reports again).
     The steps are the uninterrupted run's first 20: the same ids, and to the bit while the
     learning rate is the same (the reference decays towards a later max_steps)."""
     last = 20

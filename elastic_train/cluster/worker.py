@@ -58,10 +58,9 @@ def _reported(report) -> bool:
         context = get_train_context()
         before = context.report_call_index
     except Exception:  # noqa: BLE001 - see the docstring
-        report()
-        return True
+        context = before = None
     report()
-    return context.report_call_index != before
+    return context is None or context.report_call_index != before
 
 
 class RayWorkerEnv(FaultHooks):
