@@ -34,6 +34,8 @@ class LocalEnv:
         self.final: dict[str, Any] | None = None
         self.steps: list[dict[str, Any]] = []
         self.evals: list[dict[str, Any]] = []
+        self.consumed: dict[tuple[int, int], list[int]] = {}  # (epoch, step): the step's sample ids
+        self.cursors: dict[int, dict[str, list[int]]] = {}  # step: the data cursors saved then
 
     def prepare_model(self, model: torch.nn.Module, ddp_kwargs: dict | None) -> torch.nn.Module:
         return model
@@ -43,6 +45,8 @@ class LocalEnv:
 
     def save_checkpoint(self, snap: dict | None, step: int, final: bool) -> None:
         self.last_saved_step = step
+        if snap is not None and "state" in snap:
+            self.cursors[step] = snap["state"]["train_state"]["cursors"]
         if final:
             self.final = snap
 
@@ -64,7 +68,10 @@ class LocalEnv:
 
     def checkpoint_committed(self, step: int) -> None: ...
     def log_event(self, record: dict[str, Any]) -> None: ...
-    def log_consumed(self, attempt: int, state, micro_batches) -> None: ...
+
+    def log_consumed(self, attempt: int, state, micro_batches) -> None:
+        self.consumed[(state.epoch, state.step)] = sorted(int(i) for mb in micro_batches for i in mb.ids)
+
     def inject_faults(self, step: int) -> None: ...
     def step_began(self, step: int) -> None: ...
     def step_ended(self, step_time_s: float | None) -> None: ...

@@ -211,3 +211,23 @@ def test_the_trainer_leaves_out_what_a_run_does_not_use(small_dataset, tmp_path)
     assert "PlacementGroupCleanerCallback" in names[True]
     assert "PlacementGroupCleanerCallback" not in names[False]
     assert names[True] - names[False] == {"PlacementGroupCleanerCallback"}
+
+
+@pytest.mark.parametrize("entry, culprit", [("25:boom", "'25:boom'"), ("0:crash", "'0:crash'"),
+                                            ("x:kill:1", "'x:kill:1'"), ("5:kill:7", "rank 7")])
+def test_a_malformed_fault_schedule_entry_is_named(entry, culprit):
+    with pytest.raises(ConfigError, match=f"fault.schedule: {culprit}"):
+        load_config(None, [f"fault.schedule=[{entry}]"])
+
+
+def test_a_fault_schedule_is_read_from_the_command_line_and_drawn_from_a_seed():
+    from elastic_train.config import fault_schedule
+    from elastic_train.recovery.chaos import draw_fault_schedule
+
+    cfg = load_config(None, ["fault.schedule=[25:crash:1, 45:kill, 68:stop]"])
+    assert fault_schedule(cfg.fault.schedule) == [(25, "crash", 1), (45, "kill", 0), (68, "stop", 0)]
+    drawn = draw_fault_schedule(3, 44, ("crash", "kill", "stop"), world_size=2)
+    assert drawn == draw_fault_schedule(3, 44, ("crash", "kill", "stop"), world_size=2)
+    steps = [step for step, _, _ in fault_schedule(drawn)]
+    assert len(steps) == 3 and 4 < steps[0] and steps[-1] <= 40
+    assert all(b - a >= 8 for a, b in zip(steps, steps[1:]))

@@ -11,7 +11,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from elastic_train.data.blocks import BlockReader, check_blocks, iter_rank_steps
+from elastic_train.data.blocks import BlockReader, check_blocks, check_cursors, iter_rank_steps
 from elastic_train.data.plan import (
     StreamSpec,
     assign_blocks,
@@ -21,7 +21,8 @@ from elastic_train.data.plan import (
     utilisation,
     window_spans,
 )
-from elastic_train.data.rowgroups import build_block_table
+from elastic_train.data.rowgroups import DataError, build_block_table
+from elastic_train.training.loop import merge_cursors
 
 pytestmark = pytest.mark.unit
 
@@ -258,3 +259,69 @@ def test_foreign_parquet_with_huge_row_groups_is_refused_then_rechunked_by_prepa
     steps, _, _ = run_epoch(table, 2)
     assert sorted(i for s in steps.values() for v in s.values() for i in v) == sorted(lengths)
     assert inspect_dataset(str(tmp_path / "rechunked")).max_token_id == 255
+
+
+def train_in_legs(table, legs: list[tuple[int, int]]):
+    """One epoch trained in legs, each at its own world size and each resumed from the cursors
+    the leg before saved (merged from its ranks as the loop's `save` merges them): `legs` is
+    [(world_size, steps trained when the leg stops)]. Returns {step: {partition: ids}} and the
+    saved cursors after each leg."""
+    steps: dict[int, dict[int, list[int]]] = {}
+    saved: dict[str, list[int]] = {}
+    checkpoints = []
+    done = 0
+    for world_size, stop in legs:
+        owned = []
+        restored = {int(p): (c[0], c[1]) for p, c in saved.items()}
+        for rank in range(world_size):
+            it = iter_rank_steps(BlockReader(table), spec(), partitions=owned_partitions(rank, world_size, K),
+                                 epoch=0, cursors=restored)
+            cursor = {}
+            for step in range(done, stop):
+                mbs, cursor = next(it)
+                for mb in mbs:
+                    steps.setdefault(step, {})[mb.partition] = mb.ids.tolist()
+            owned.append(cursor)
+        saved = merge_cursors(saved, owned)
+        checkpoints.append((stop, saved))
+        done = stop
+    return steps, checkpoints
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_repeated_resumes_at_drawn_world_sizes_keep_every_cursor(data, seed):
+    """Faults come in series: a seeded draw of 3-6 resumes, each at a world size drawn from 1-8
+    and each from the cursors saved after the last one. Every saved cursor equals the
+    uninterrupted run's at the same step, the steps are the same ids, and the plan's own
+    arithmetic (check_cursors) accepts every saved position."""
+    table, _ = data
+    full, after, _ = run_epoch(table, 2)
+    rng = np.random.default_rng(seed)
+    stops = sorted(rng.choice(np.arange(1, len(full) - 1), size=int(rng.integers(3, 7)), replace=False))
+    legs = [(int(rng.integers(1, K + 1)), int(s)) for s in stops] + [(int(rng.integers(1, K + 1)), len(full))]
+    steps, checkpoints = train_in_legs(table, legs)
+    assert steps == full
+    for stop, saved in checkpoints[:-1]:
+        assert saved == {str(p): list(c) for p, c in after[stop - 1].items()}, stop
+        check_cursors(BlockReader(table), spec(), partitions=list(range(K)), epoch=0,
+                      step_in_epoch=stop, cursors={int(p): tuple(c) for p, c in saved.items()},
+                      shown="checkpoint_x")
+
+
+def test_a_cursor_off_the_plan_is_refused_naming_the_checkpoint_and_partition(data):
+    """A partition left at an earlier step (what a stale copy did to every later checkpoint) and
+    a cursor edited by hand are each refused by the plan's arithmetic."""
+    table, _ = data
+    _, after, _ = run_epoch(table, 2)
+    good = {p: tuple(c) for p, c in after[19].items()}
+    check_cursors(BlockReader(table), spec(), partitions=list(range(K)), epoch=0, step_in_epoch=20,
+                  cursors=good, shown="checkpoint_000000020")
+    stale = {**good, 3: tuple(after[9][3])}
+    edited = {**good, 5: (good[5][0], good[5][1] + 1)}
+    for bad, partition in ((stale, 3), (edited, 5)):
+        with pytest.raises(DataError, match=f"checkpoint_000000020: data partition {partition} is at .* not at"):
+            check_cursors(BlockReader(table), spec(), partitions=list(range(K)), epoch=0,
+                          step_in_epoch=20, cursors=bad, shown="checkpoint_000000020")
+    # each rank checks only its own partitions: rank 0 of 2 does not see partition 3 or 5
+    check_cursors(BlockReader(table), spec(), partitions=owned_partitions(0, 2, K), epoch=0,
+                  step_in_epoch=20, cursors=stale, shown="checkpoint_000000020")

@@ -110,6 +110,10 @@ def test_one_failure_line_says_who_where_what_and_how_it_goes_on():
     assert failure_line(final, None).endswith("(3 times in a row without a step); giving up")
     assert "restarting from the start (no checkpoint)" in failure_line({**failure, "committed_step":
                                                                         None}, None)
+    refused = {**failure, "cause": "DataError: checkpoint checkpoint_000000044: data partition 0 is "
+               "at [0, 2] (window, micro-batch), not at [1, 0]"}
+    assert failure_line(refused, {"world_size": 2}, fatal=refused["cause"][11:]).endswith(
+        "not at [1, 0]; stopping: a restart would fail the same way")
 
 
 CRASH_CONSOLE = Path(__file__).parent / "data" / "crash_console.txt"

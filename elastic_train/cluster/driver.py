@@ -179,7 +179,8 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
         train_loop_config={"config": cfg.to_dict(), "runlog": runlog,
                            "block_table": tables.train, "eval_table": tables.eval,
                            "extra_columns": extra_columns(info), "model_fn": model_fn,
-                           "loss_fn": loss_fn, "provenance": record or {}},
+                           "loss_fn": loss_fn, "provenance": record or {},
+                           "driver": (ray.get_runtime_context().get_node_id(), os.getpid())},
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
             elastic_resize_monitor_interval_s=s.resize_monitor_interval_s,

@@ -8,6 +8,8 @@ each fires once per run (the RunLog's `claim_fault`), however many attempts reac
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import threading
 import time
 
@@ -15,6 +17,7 @@ import ray
 import torch
 
 from elastic_train.cluster import raycompat
+from elastic_train.config import fault_schedule
 from elastic_train.recovery import checkpoints as in_place_checkpoints
 from elastic_train.training.step import poison_gradient
 
@@ -24,6 +27,8 @@ CRASH_COMMIT_WAIT_S = 120.0  # the longest a crash hook waits for a checkpoint's
 class FaultHooks:
     """Test hooks mixed into `worker.RayWorkerEnv` (they use its runlog, fault config, ranks and
     checkpoint bookkeeping)."""
+
+    driver: tuple[str, int] | None = None  # the driver's (node id, pid): fault.schedule's stop
 
     def inject_faults(self, step: int) -> None:
         """The test hooks that act at the end of a step: a crash, a hang, a slow rank."""
@@ -44,12 +49,35 @@ class FaultHooks:
         if hang and ray.get(self.runlog.claim_fault.remote(f"hang@{step}")):
             ray.get(self.log_event({"event": "hang_injected", "step": step}))
             threading.Event().wait()  # a live process that never finishes its step
+        for at, kind, rank in fault_schedule(f.schedule):
+            if at == step and rank == self.world_rank \
+                    and ray.get(self.runlog.claim_fault.remote(f"{kind}@{step}")):
+                self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False,
+                                               kind=kind)
+                self._scheduled_fault(kind, step)
         if f.crash_in_checkpoint or f.crash_in_eval or f.crash_at_step != step \
                 or f.crash_rank != self.world_rank:
             return
         if ray.get(self.runlog.claim_fault.remote(f"crash@{step}")):
             self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False)
             os._exit(1)
+
+    def _scheduled_fault(self, kind: str, step: int) -> None:
+        """fault.schedule's fault of this rank at `step`: die, be SIGKILLed from another process,
+        or SIGTERM the driver (when it runs on this node); then wait, out of the watchdog's sight,
+        for the end that Ray or the driver brings."""
+        if kind == "crash":
+            os._exit(1)
+        self.step_ended(None)
+        if kind == "kill":
+            subprocess.Popen(["kill", "-KILL", str(os.getpid())])
+        elif self.driver is not None and self.driver[0] == ray.get_runtime_context().get_node_id():
+            os.kill(self.driver[1], signal.SIGTERM)
+        else:  # a driver elsewhere: nothing to stop from here, the run goes on
+            self.log_event({"event": "stop_skipped", "step": step, "reason": "driver on another node"})
+            self.step_began(step)
+            return
+        threading.Event().wait()
 
     def _hold_for_resize(self, step: int, at: int) -> None:
         """Test hook (fault.hold_for_resize_at_step): once a joining node's checkpoint request is
@@ -82,7 +110,8 @@ class FaultHooks:
             self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False)
             os._exit(1)
 
-    def _wait_for_commit_then_log(self, saved_step: int, step: int, in_checkpoint: bool) -> None:
+    def _wait_for_commit_then_log(self, saved_step: int, step: int, in_checkpoint: bool,
+                                  kind: str = "crash") -> None:
         """Before a test hook kills this process: wait (bounded) until the checkpoint saved last
         (of `saved_step`) is committed, then log the committed step in `crash_injected`.
 
@@ -99,7 +128,7 @@ class FaultHooks:
         else:
             committed = raycompat.committed_step(fs, run_path)
         waited_s = time.monotonic() - t0
-        record = {"event": "crash_injected", "step": step, "rank": self.world_rank,
+        record = {"event": "crash_injected", "kind": kind, "step": step, "rank": self.world_rank,
                   "in_checkpoint": in_checkpoint, "saved_step": saved_step,
                   "committed_step": committed, "commit_wait_s": round(waited_s, 3)}
         if saved_step > 0 and (committed is None or committed < saved_step):

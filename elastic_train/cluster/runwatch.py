@@ -43,8 +43,10 @@ RESUME_LINE_WAIT_S = 30.0  # a failure line waits this long for the next attempt
 RAY_CALL_TIMEOUT_S = 10.0
 
 
-def failure_line(failure: dict[str, Any], next_attempt: dict[str, Any] | None) -> str:
-    """One line for a failure the RunLog recorded (failures.py), and what came of it."""
+def failure_line(failure: dict[str, Any], next_attempt: dict[str, Any] | None,
+                 fatal: str | None = None) -> str:
+    """One line for a failure the RunLog recorded (failures.py), and what came of it (`fatal`:
+    the reason the run stops, when a worker found one that a restart would meet again)."""
     who = f"rank {failure['rank']}" if failure.get("rank") is not None else "the worker group"
     where = f" on node {failure['node']}" if failure.get("node") else ""
     at = f" at step {failure['step']}" if failure.get("step") is not None else ""
@@ -56,6 +58,8 @@ def failure_line(failure: dict[str, Any], next_attempt: dict[str, Any] | None) -
         repeats = failure.get("repeats", 1)
         again = f" ({repeats} times in a row without a step)" if repeats > 1 else ""
         return f"{line}{again}; giving up"
+    if fatal and fatal[:80] in failure["cause"]:
+        return f"{line}; stopping: a restart would fail the same way"
     if failure.get("in_place"):
         return f"{line}; the others train on, a replacement joins in place"
     if next_attempt is not None:
@@ -113,7 +117,7 @@ class RunWatch:
                     or failure.get("in_place") or now - failure["time"] > RESUME_LINE_WAIT_S):
                 break  # its line waits for the next attempt's size; the lines keep their order
             self.printed.add(i)
-            self._print(failure_line(failure, later[0] if later else None))
+            self._print(failure_line(failure, later[0] if later else None, state.get("fatal")))
         if not final:
             self._watch_start(attempts, now)
 

@@ -31,7 +31,7 @@ from elastic_train.config import ConfigError, FaultConfig, config_from_dict
 from elastic_train.data.rowgroups import BlockTable, DataError
 from elastic_train.observe.provenance import versions
 from elastic_train.recovery import checkpoints as in_place_checkpoints
-from elastic_train.training.checkpoint import BestCheckpointWriter, write_checkpoint
+from elastic_train.training.checkpoint import BestCheckpointWriter, checkpoint_name, write_checkpoint
 from elastic_train.training.watchdog import StepWatchdog, Verdict
 
 REQUEST_POLL_INTERVAL_S = 1.0  # how often rank 0 asks the RunLog whether a checkpoint is wanted
@@ -250,7 +250,7 @@ class RayWorkerEnv(FaultHooks):
         reported = _reported(lambda: ray.train.report(
             {"step": step},
             checkpoint=checkpoint,
-            checkpoint_dir_name=f"checkpoint_{step:09d}",
+            checkpoint_dir_name=checkpoint_name(step),
             checkpoint_upload_mode=CheckpointUploadMode.SYNC if final else CheckpointUploadMode.ASYNC,
             checkpoint_upload_fn=upload_fn,
         ))
@@ -502,7 +502,7 @@ def train_worker(config: dict[str, Any]) -> None:
     env = RayWorkerEnv(cfg.fault, cfg.data.record_ids, config["runlog"], config["block_table"],
                        watchdog, tuple(config["extra_columns"]), config.get("eval_table"),
                        config.get("provenance"), startup)
-    env.checkpoint_keep = cfg.checkpoint.keep
+    env.checkpoint_keep, env.driver = cfg.checkpoint.keep, config.get("driver")
     # the first sign of this process in the run's events (a fault schedule from outside finds a
     # replacement by it while it still starts, restores or heals: tests, benchmarks/recovery.py)
     env.log_event({"event": "worker_started", "process_start": startup["process_start"],

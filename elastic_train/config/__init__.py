@@ -34,6 +34,7 @@ from elastic_train.config.validate import (
     check_run_name,
     choose_grad_reduce,
     eval_enabled,
+    fault_schedule,
     gpt_config,
     num_partitions,
     validate,
@@ -44,5 +45,5 @@ __all__ = [
     "FaultConfig", "GPT_KWARGS", "GRAD_COMPRESSIONS", "LogConfig", "ModelConfig", "OptimConfig",
     "ReduceChoice", "RunConfig", "ScalingConfig", "TrainConfig", "check_compression",
     "check_run_name", "choose_grad_reduce", "config_from_dict", "config_changes", "eval_enabled",
-    "gpt_config", "load_config", "num_partitions", "parse_override", "validate",
+    "fault_schedule", "gpt_config", "load_config", "num_partitions", "parse_override", "validate",
 ]

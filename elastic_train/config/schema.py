@@ -238,6 +238,12 @@ class FaultConfig:
     # this step until a joining node asks for a checkpoint, takes it after the next step, then
     # holds a step later until Ray replaces the group at its new size
     hold_for_resize_at_step: int | None = None
+    # test hook: faults in series, "STEP:KIND[:RANK]" (rank 0 by default), each once per run, at
+    # the end of STEP once the checkpoint saved last is committed (each recovery then resumes
+    # from a checkpoint written after the one before). KIND: crash (the rank's process exits),
+    # kill (another process SIGKILLs it), stop (it SIGTERMs a driver on its machine, which stops
+    # the run as `ray job stop` does: run the same command again). e.g. [25:crash:1, 45:kill, 68:stop]
+    schedule: list[str] = field(default_factory=list)
     # test hook (in place: a replacement that surely joins before the run ends): a rank that ends
     # this step waits until a replacement has joined the run (a lost rank never gets there, and
     # a replacement heals to the survivors' step and goes on from the next)

@@ -272,6 +272,22 @@ def eval_enabled(e: EvalConfig) -> bool:
     return bool(e.path) or e.fraction > 0
 
 
+FAULT_KINDS = ("crash", "kill", "stop")
+
+
+def fault_schedule(entries: list[str]) -> list[tuple[int, str, int]]:
+    """fault.schedule's entries as (step, kind, rank); a malformed one is a ConfigError naming it."""
+    out = []
+    for entry in entries:
+        parts = str(entry).split(":")
+        ok = len(parts) in (2, 3) and parts[0].isdigit() and int(parts[0]) >= 1 \
+            and parts[1] in FAULT_KINDS and (len(parts) == 2 or parts[2].isdigit())
+        _require(ok, f"fault.schedule: {entry!r} is not STEP:KIND[:RANK] with STEP >= 1 and KIND "
+                 f"one of {', '.join(FAULT_KINDS)}")
+        out.append((int(parts[0]), parts[1], int(parts[2]) if len(parts) == 3 else 0))
+    return out
+
+
 def _validate_fault(f: FaultConfig, s: ScalingConfig) -> None:
     _require(f.recovery in ("restart", "in_place"),
              f"fault.recovery must be restart or in_place, got {f.recovery!r}")
@@ -292,6 +308,9 @@ def _validate_fault(f: FaultConfig, s: ScalingConfig) -> None:
         rank = getattr(f, key)
         _require(rank is None or 0 <= rank < s.max_workers,
                  f"fault.{key} ({rank}) must be a worker rank, in "
+                 f"[0, scaling.max_workers={s.max_workers})")
+    for _, _, rank in fault_schedule(f.schedule):
+        _require(rank < s.max_workers, f"fault.schedule: rank {rank} must be a worker rank, in "
                  f"[0, scaling.max_workers={s.max_workers})")
     _at_least("fault.slow_step_s", f.slow_step_s, 0)
     _require((f.slow_rank is None) == (f.slow_step_s == 0),

@@ -8,6 +8,13 @@ the cursors of this rank's partitions after it, (window, micro-batches taken fro
 the loop saves in checkpoints (gathered from all ranks): a resume, at any world size, starts each
 partition at its cursor and reads at most one window of it again. Rows and bytes read are counted,
 for `read_amplification` (rows read by all ranks / rows trained: 1.0 is ideal).
+
+A rank speaks only for the partitions it owns: the cursors it yields are its own partitions', never
+a copy of another's it was handed at a resume (a copy goes stale as the owner moves on, and a merge
+that let it win rewound that partition in every later checkpoint). `check_cursors` holds a
+restored position to the plan's own arithmetic: step j of an epoch is micro-batch j of every
+partition that still has one, so after `step_in_epoch` steps partition p stands exactly
+min(step_in_epoch, its micro-batches) into its stream, wherever the world size was.
 """
 
 from __future__ import annotations
@@ -23,7 +30,13 @@ import pyarrow.parquet as pq
 
 from elastic_train.data.batches import MicroBatch, arrow_to_columns, stack_rows
 from elastic_train.data.plan import StreamSpec, assign_blocks, bucket_window, window_rng, window_spans
-from elastic_train.data.rowgroups import BlockTable, build_block_table, check_block_rows, read_row_group
+from elastic_train.data.rowgroups import (
+    BlockTable,
+    DataError,
+    build_block_table,
+    check_block_rows,
+    read_row_group,
+)
 
 Cursor = tuple[int, int]  # (window index, micro-batches already taken from that window)
 MIN_BLOCKS_PER_PARTITION = 2
@@ -86,6 +99,12 @@ class BlockReader:
     def close(self) -> None:
         """Stop reading ahead (nothing to stop here)."""
 
+    def read_lengths(self, blocks: np.ndarray) -> np.ndarray:
+        """The `length` column of `blocks`, in that order (for `check_cursors`; not counted as
+        rows read: one int32 column chunk per block)."""
+        return np.concatenate([read_row_group(self.table, int(b), ["length"], self._open)[0]
+                               .column("length").to_numpy() for b in blocks]).astype(np.int64)
+
 
 # `data.reader` -> its class. "ray_data" (Ray Data tasks read the blocks) is added by
 # cluster/raydata.py, which the Ray worker imports: this wing imports no Ray.
@@ -119,6 +138,20 @@ class PartitionStream:
     def done(self) -> Cursor:
         return (len(self.windows), 0)
 
+    def position_after(self, micro_batches: int) -> Cursor:
+        """The cursor after the first `micro_batches` micro-batches of the epoch (`done` when the
+        partition has no more), from the plan alone: reads the length column of the windows it
+        passes."""
+        taken = 0
+        for w, (start, end) in enumerate(self.windows):
+            lengths = self.reader.read_lengths(self.blocks[start:end])
+            rng = window_rng(self.spec.seed, self.epoch, self.partition, w)
+            n = len(bucket_window(lengths, self.spec.micro_batch_tokens, rng, self.spec.bucketing))
+            if taken + n > micro_batches:
+                return (w, micro_batches - taken)
+            taken += n
+        return self.done
+
     def iter_from(self, cursor: Cursor) -> Iterator[tuple[MicroBatch, Cursor]]:
         """(micro-batch, cursor after it), from `cursor` to the end of the epoch."""
         first, skip = cursor
@@ -148,13 +181,13 @@ def iter_rank_steps(
     run dry it yields empty steps forever: the epoch ends when the loop sees every rank's step empty.
     """
     assignment = assign_blocks(reader.table.tokens, spec.num_partitions, spec.seed, epoch)
-    cursors = dict(cursors or {})
+    # this rank's partitions only: a cursor it was handed for another's would go stale
+    cursors = {p: (cursors or {}).get(p, (0, 0)) for p in partitions}
     live, streams = {}, []
     for p in partitions:
         stream = PartitionStream(p, assignment[p], spec, epoch, reader, pad_id)
-        streams.append((stream, cursors.get(p, (0, 0))[0]))
-        live[p] = stream.iter_from(cursors.get(p, (0, 0)))
-        cursors.setdefault(p, (0, 0))
+        streams.append((stream, cursors[p][0]))
+        live[p] = stream.iter_from(cursors[p])
     # The windows in about the order they will be asked for: window w of every partition, then w+1.
     rounds = max((len(s.windows) - first for s, first in streams), default=0)
     reader.plan([s.blocks[slice(*s.windows[first + k])] for k in range(rounds)
@@ -170,6 +203,27 @@ def iter_rank_steps(
             mb, cursors[p] = item
             step.append(mb)
         yield step, dict(cursors)
+
+
+def check_cursors(reader: BlockReader, spec: StreamSpec, *, partitions: list[int], epoch: int,
+                  step_in_epoch: int, cursors: dict[int, Cursor], shown: str) -> None:
+    """Refuse a restored data position that is not where the plan stands after `step_in_epoch`
+    steps of `epoch` (see the module's docstring), for `partitions` (each rank checks its own):
+    a resume from it would train some samples twice and others never. `shown` names the
+    checkpoint. Costs one read of the length column of the rows before each cursor and a sort
+    per window (measured: docs/fault_tolerance.md)."""
+    if not step_in_epoch:
+        return
+    assignment = assign_blocks(reader.table.tokens, spec.num_partitions, spec.seed, epoch)
+    for p in partitions:
+        expected = PartitionStream(p, assignment[p], spec, epoch, reader).position_after(step_in_epoch)
+        found = cursors.get(p)
+        if found != expected:
+            raise DataError(
+                f"checkpoint {shown}: data partition {p} is at {found} (window, micro-batch), "
+                f"not at {expected} where the plan is after step {step_in_epoch} of epoch {epoch}: "
+                "a resume from it would train other data; move it out of the run folder to "
+                "resume from the one before")
 
 
 def local_rank_steps(files: list[str], spec: StreamSpec, *, partitions: list[int], epoch: int = 0,

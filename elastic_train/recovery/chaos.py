@@ -113,3 +113,21 @@ class FaultSchedule:
                 except psutil.NoSuchProcess:
                     continue
                 self._workers[event["pid"]] = (event.get("rank", -1), start)
+
+
+def draw_fault_schedule(seed: int, steps: int, kinds: tuple[str, ...], world_size: int,
+                        faults: int = 3, every_steps: int = 4) -> list[str]:
+    """A seeded draw of `faults` faults for `fault.schedule` in a run of `steps` steps: kinds from
+    `kinds`, ranks below `world_size`, steps at least two checkpoints apart (so each recovery
+    resumes from a checkpoint written after the one before) and clear of the run's first and
+    last checkpoint intervals. The same seed gives the same schedule."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, 0xFA17])
+    gap = 2 * every_steps
+    room = steps - 2 * every_steps - gap * (faults - 1)
+    if room < 1:
+        raise ValueError(f"{faults} faults {gap} steps apart do not fit in a run of {steps} steps")
+    offsets = np.sort(rng.choice(room, size=faults, replace=faults > room))
+    at = [every_steps + 1 + int(o) + gap * i for i, o in enumerate(offsets)]
+    return [f"{s}:{kinds[int(rng.integers(len(kinds)))]}:{int(rng.integers(world_size))}" for s in at]

@@ -29,13 +29,13 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from elastic_train.training.checkpoint import MANIFEST, write_checkpoint
+from elastic_train.training.checkpoint import MANIFEST, checkpoint_name, write_checkpoint
 
 POINTER = "in_place_checkpoint.json"  # {"checkpoint", "step", "written": [the kept, newest last]}
 
 
 def dir_name(step: int) -> str:
-    return f"checkpoint_{step:09d}"
+    return checkpoint_name(step)
 
 
 def read_pointer(fs: pafs.FileSystem, run_path: str) -> dict[str, Any] | None:

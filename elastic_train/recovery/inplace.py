@@ -45,7 +45,7 @@ from elastic_train.training.build import Training, build_training
 from elastic_train.training.checkpoint import BestCheckpointWriter, snapshot
 from elastic_train.training.env import WorkerEnv
 from elastic_train.training.evaluate import run_eval
-from elastic_train.training.loop import _log_reads
+from elastic_train.training.loop import _log_reads, check_restored_position, stream_spec
 from elastic_train.training.losses import LossFn
 from elastic_train.training.model import (
     ModelFn,
@@ -220,14 +220,13 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
     # last checkpoint first would only cost time (issue 32: ten replacements each read one)
     env.heal_first = env.joining and env.run_finished() is None and env.latest_step() is not None
     t = build_training(cfg, env, model_fn, loss_fn, reduce_extra=layout.size)
+    check_restored_position(cfg, env, t.state)
     replica = Replica(t, unrestored=env.heal_first)
     manager = start_manager(cfg, env, replica)
     attempt = env.begin_attempt()
     reader = make_reader("pyarrow", env.block_table, env.extra_columns,
                          input_embedding_rows(t.raw_model))
-    spec = StreamSpec(k, cfg.data.micro_batch_tokens, cfg.data.shuffle_window, cfg.data.seed,
-                      cfg.data.bucketing)
-    pool = PartitionPool(reader, spec, cfg.data.pad_id or 0)
+    pool = PartitionPool(reader, stream_spec(cfg), cfg.data.pad_id or 0)
     flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len,
                                             count_parameters(t.raw_model))
     env.log_event({"event": "start", "attempt": attempt, "world_size": env.world_size,

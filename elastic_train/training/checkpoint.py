@@ -312,6 +312,11 @@ def write_best(snap: dict[str, Any], fs: pafs.FileSystem, run_path: str, step: i
     return commit_best(fs, run_path, step, eval_loss)
 
 
+def checkpoint_name(step: int) -> str:
+    """The folder of the checkpoint of `step` in the run folder (Ray's and in place alike)."""
+    return f"checkpoint_{step:09d}"
+
+
 def _best_name(step: int) -> str:
     return f"best_checkpoint_{step:09d}"
 

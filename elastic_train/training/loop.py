@@ -21,7 +21,7 @@ from elastic_train.config import (
     num_partitions,
 )
 from elastic_train.data.batches import Prefetcher
-from elastic_train.data.blocks import BlockReader, iter_rank_steps, make_reader
+from elastic_train.data.blocks import BlockReader, check_cursors, iter_rank_steps, make_reader
 from elastic_train.data.plan import (
     StreamSpec,
     assign_blocks,
@@ -31,9 +31,7 @@ from elastic_train.data.plan import (
 )
 from elastic_train.observe.stragglers import RANK_BUSY, RANK_DATA_WAIT
 from elastic_train.training.build import Training, build_training
-from elastic_train.training.checkpoint import (
-    snapshot,
-)
+from elastic_train.training.checkpoint import checkpoint_name, snapshot
 from elastic_train.training.collectives import all_reduce_sum, collective_seconds, gather_from_all, rank_slots
 from elastic_train.training.commhooks import (
     forget_powersgd_memory,
@@ -56,10 +54,26 @@ from elastic_train.training.sharding import sharded_snapshot
 from elastic_train.training.step import TrainState, train_step
 
 
+def stream_spec(cfg: Config) -> StreamSpec:
+    return StreamSpec(num_partitions(cfg), cfg.data.micro_batch_tokens, cfg.data.shuffle_window,
+                      cfg.data.seed, cfg.data.bucketing)
+
+
+def check_restored_position(cfg: Config, env: WorkerEnv, state: TrainState) -> None:
+    """A restored data position must be the plan's for its step (blocks.check_cursors): each rank
+    checks the partitions it owns at this world size, so together they check every one once."""
+    if not state.step_in_epoch:
+        return
+    check_cursors(BlockReader(env.block_table), stream_spec(cfg),
+                  partitions=owned_partitions(env.world_rank, env.world_size, num_partitions(cfg)),
+                  epoch=state.epoch, step_in_epoch=state.step_in_epoch,
+                  cursors={int(p): (c[0], c[1]) for p, c in state.cursors.items()},
+                  shown=checkpoint_name(state.step))
+
+
 def _epoch_stream(cfg: Config, reader: BlockReader, state: TrainState, partitions: list[int]) -> Prefetcher:
     """This rank's steps of `state.epoch` from where the state says the run is, read ahead."""
-    spec = StreamSpec(num_partitions(cfg), cfg.data.micro_batch_tokens, cfg.data.shuffle_window,
-                      cfg.data.seed, cfg.data.bucketing)
+    spec = stream_spec(cfg)
     cursors = {int(p): (c[0], c[1]) for p, c in state.cursors.items()}
     if state.step_in_epoch and not cursors:
         raise RuntimeError("checkpoint without data cursors mid-epoch (written by an older version)")
@@ -97,6 +111,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                loss_fn: LossFn | None = None) -> None:
     """Run (or resume) training on this worker until max_steps or the last epoch."""
     t = build_training(cfg, env, model_fn, loss_fn)
+    check_restored_position(cfg, env, t.state)
     state, rank, world_size = t.state, env.world_rank, env.world_size
     attempt = env.begin_attempt()
     partitions = owned_partitions(rank, world_size, num_partitions(cfg))
@@ -221,17 +236,25 @@ def _cuda_memory(device: torch.device) -> dict[str, int]:
             "cuda_reserved_bytes": torch.cuda.memory_reserved(device)}
 
 
+def merge_cursors(saved: dict[str, list[int]], owned: list[dict[int, tuple[int, int]]]
+                  ) -> dict[str, list[int]]:
+    """Each partition's cursor from the rank that owns it (`owned`: every rank's own partitions'),
+    carried from the last saved state where no rank spoke for it. Ranks own disjoint partitions,
+    so no rank's value can overwrite another's."""
+    merged = {int(p): list(c) for p, c in saved.items()}
+    for part in owned:
+        merged.update((int(p), list(c)) for p, c in part.items())
+    return {str(p): c for p, c in sorted(merged.items())}
+
+
 def save(env: WorkerEnv, cfg: Config, t: Training, final: bool, sync: bool = False) -> float:
     """Snapshot this rank's share (the blocking part) and hand it to Ray to write in the background."""
     state = t.state
     if state.step == env.last_saved_step:  # e.g. the final save right after a periodic one
         return 0.0
     t0 = time.perf_counter()
-    if state.step_in_epoch:  # every rank's partitions' cursors, so any world size can resume
-        merged = {}
-        for part in gather_from_all(t.cursors):
-            merged.update(part)
-        state.cursors = {str(p): list(c) for p, c in sorted(merged.items())}
+    if state.step_in_epoch:  # every partition's cursor, so any world size can resume
+        state.cursors = merge_cursors(state.cursors, gather_from_all(t.cursors))
     # Every rank copies and writes its share of the replicated state, in parallel (checkpoint.py),
     # and its own PowerSGD state (error feedback), which only it has.
     comm_hook = None
