@@ -47,8 +47,8 @@ class LocalEnv:
         self.last_saved_step = step
         if snap is not None and "state" in snap:
             self.cursors[step] = snap["state"]["train_state"]["cursors"]
-        if final:
-            self.final = snap
+        if snap is not None:  # the last one saved holds the final weights: the final save
+            self.final = snap  # right after a periodic one of the same step is skipped (loop.save)
 
     def checkpoint_requested(self) -> bool:
         return False
