@@ -27,7 +27,9 @@ SYNC_NAMES = ("aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchroni
 # kernel families by name: the reduction (NCCL, the exact sum's float64 adds), the optimizer
 KERNEL_KINDS = (("reduction", ("nccl", "double")), ("optimizer", ("adam", "fused_adamw")),
                 ("copy", ("memcpy", "memset")))
-_OWN_FRAMES = ("elastic_train", "benchmarks", "<", "site-packages/ray")
+# Python calls that read a tensor on the host (`.tolist()` makes no operator event of its own)
+SYNC_METHODS = ("<built-in method tolist of Tensor",)
+_OWN_FRAMES = ("elastic_train/", "benchmarks/", "torch/optim/", "torch/nn/utils/")
 
 
 def make_profiler(device: torch.device) -> torch.profiler.profile:
@@ -59,12 +61,18 @@ def _union_in(intervals: list[tuple[float, float]], spans: list[tuple[float, flo
     return total
 
 
-def _call_site(stack: list[str]) -> str:
-    """The innermost frame of our code (or a user's), else the innermost frame."""
-    for frame in stack:
-        if any(mark in frame for mark in _OWN_FRAMES) and "observe/profile.py" not in frame:
-            return frame
-    return stack[0] if stack else "?"
+def _call_site(event: Any) -> str:
+    """The innermost Python frame of our code (or a user's) above `event`: with `with_stack`,
+    Python calls are events too, parents of the operators they made."""
+    parent, innermost = event.cpu_parent, None
+    while parent is not None:
+        name = parent.name
+        if ".py(" in name:
+            innermost = innermost or name
+            if any(mark in name for mark in _OWN_FRAMES) and "observe/profile.py" not in name:
+                return name
+        parent = parent.cpu_parent
+    return innermost or "?"
 
 
 def summarize(prof: torch.profiler.profile, top: int = 12) -> dict[str, Any]:
@@ -95,20 +103,21 @@ def summarize(prof: torch.profiler.profile, top: int = 12) -> dict[str, Any]:
         out["top_kernels"] = [{"name": a.key[:100], "ms_per_step": a.self_device_time_total / steps / 1e3,
                                "calls_per_step": a.count / steps} for a in rows[:top]]
     else:
-        rows = sorted((a for a in averages if a.key != STEP_MARK), key=lambda a: -a.self_cpu_time_total)
+        rows = sorted((a for a in averages if a.key.startswith("aten::")),
+                      key=lambda a: -a.self_cpu_time_total)
         out["top_cpu_ops"] = [{"name": a.key[:100], "ms_per_step": a.self_cpu_time_total / steps / 1e3,
                                "calls_per_step": a.count / steps} for a in rows[:top]]
-    sites: dict[str, dict[str, float]] = {}
-    for avg in prof.key_averages(group_by_stack_n=12):
-        if not avg.key.startswith(SYNC_NAMES):
-            continue
-        site = _call_site(list(avg.stack or []))
-        entry = sites.setdefault(site, {"calls_per_step": 0.0, "op": avg.key})
-        entry["calls_per_step"] += avg.count / steps
+    sites: dict[str, dict[str, Any]] = {}
+    for event in events:
+        if event.device_type == DeviceType.CPU and (event.name.startswith(SYNC_NAMES)
+                                                    or event.name.startswith(SYNC_METHODS)):
+            op = event.name.split(" object at")[0]
+            entry = sites.setdefault(_call_site(event), {"calls_per_step": 0.0, "op": op})
+            entry["calls_per_step"] += 1 / steps
     out["host_syncs"] = [{"site": s, **v} for s, v in sorted(sites.items(),
                                                             key=lambda kv: -kv[1]["calls_per_step"])]
     out["host_syncs_per_step"] = sum(v["calls_per_step"] for v in sites.values()
-                                     if v["op"] == "aten::_local_scalar_dense")
+                                     if v["op"].startswith(("aten::", "<built-in")))
     return out
 
 

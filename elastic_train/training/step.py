@@ -220,6 +220,16 @@ def poison_gradient(model: torch.nn.Module, value: float = float("nan")) -> None
             return
 
 
+def _read_together(*values: Any) -> list[float]:
+    """Numbers (tensors on one device, or floats) on the host in one wait for the device, not
+    one wait each; each value exactly (float64 holds an fp32 or float64 value as it is)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.detach().to(torch.float64).reshape(()) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 def optimizer_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -246,8 +256,9 @@ def optimizer_step(
         norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), grad_clip if grad_clip > 0 else float("inf")
         )
-    nonfinite = 0.0 if math.isfinite(float(norm)) else 1.0
-    loss_sum, any_nonfinite = all_reduce_sum([float(local_loss), nonfinite], device)
+    norm, local = _read_together(norm, local_loss)
+    nonfinite = 0.0 if math.isfinite(norm) else 1.0
+    loss_sum, any_nonfinite = all_reduce_sum([local, nonfinite], device)
     if any_nonfinite:
         optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
@@ -255,13 +266,13 @@ def optimizer_step(
             # finite found no inf): scale * backoff_factor, and growth counting starts again.
             scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
             scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
-        return loss_sum, float(norm), True
+        return loss_sum, norm, True
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
-    return loss_sum, float(norm), False
+    return loss_sum, norm, False
 
 
 @dataclass
