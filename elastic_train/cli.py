@@ -32,7 +32,8 @@ def _train(args: argparse.Namespace) -> int:
     s = result.summary
     print(f"finished: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
           f"padding efficiency {s['padding_efficiency']:.3f}, {s['tokens_per_s']:.0f} tokens/s, "
-          f"restarts {s['restarts']}, run folder {result.run_dir}")
+          f"restarts {s['restarts']}, {s.get('precision')} on {s.get('device')} with micro-batches of "
+          f"{s.get('micro_batch_tokens')} tokens, run folder {result.run_dir}")
     return 0
 
 

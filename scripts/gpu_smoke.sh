@@ -10,10 +10,17 @@
 #    (the default) must choose ddp on a GPU worker.
 # 3. Throughput: a ~100M-parameter GPT (12 layers, d_model 768) in bf16 on 1 GPU worker, 60 steps:
 #    steady tokens/s and MFU (log.peak_flops: H100/H200 dense bf16, 989e12; set PEAK_FLOPS for others).
+# 7. (or alone: `bash scripts/gpu_smoke.sh --bench-only`, one device call of ~6 minutes) the GPU
+#    benchmark, benchmarks/gpu.py: ~100M and ~1B GPT and a Llama-shaped model against a bare loop;
+#    its JSON lines go to $OUT/gpu.jsonl (or gpu_bench_out/) and benchmarks/results.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 PY=.venv/bin/python
+if [ "${1:-}" = "--bench-only" ]; then
+  shift
+  exec $PY benchmarks/gpu.py "$@"
+fi
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.cuda.get_device_name())"
 NGPU=$($PY -c "import torch; print(min(torch.cuda.device_count(), 2))")
 $PY scripts/gpu_ddp_check.py "$NGPU"
@@ -133,3 +140,5 @@ for run in ("gpt100m_compile", "gpt100m_compile_warm"):
     if run.endswith("warm"):
         assert s["compile_compiled"] == 0 and s["compile_loaded"] > 0, s
 PY
+# 7. The GPU benchmark (issue 36): figures per case, ours against a bare loop.
+$PY benchmarks/gpu.py

@@ -71,7 +71,7 @@ def eval_loss(model: torch.nn.Module, data: str) -> float:
             mb = MicroBatch(0, np.array([row["id"]]), tokens, np.array([tokens.shape[1]]),
                             {"loss_mask": np.array([row["loss_mask"]], dtype=np.int8)})
             loss_sum, n = causal_lm_loss(model, mb.to_batch(torch.device("cpu")))
-            total, targets = total + float(loss_sum), targets + n
+            total, targets = total + float(loss_sum), targets + int(n)
     return total / targets
 
 

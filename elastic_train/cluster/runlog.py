@@ -31,6 +31,8 @@ from elastic_train.observe.tb import TensorBoardWriter
 from elastic_train.observe.tracking import Tracker, build_backends
 from elastic_train.recovery.fence import end_process
 
+WINDOW_STEPS = 10  # steps in the progress line's tokens/s
+
 
 class RunFolder:
     """Files of `<storage_path>/<name>/`; for remote storage through a local staging folder."""
@@ -92,6 +94,7 @@ class RunLog:
         self.attempts: list[dict] = self.folder.read_json("attempts.json", [])
         self.faults: dict[str, bool] = self.folder.read_json("faults.json", {})
         self.latest: dict[str, Any] | None = None
+        self._recent: list[tuple[int, float, float]] = []  # (step, real tokens, step seconds)
         self.latest_eval: dict[str, Any] | None = None
         self.fatal: str | None = None
         self.checkpoint_request: str | None = None  # the reason of a request no rank 0 took yet
@@ -213,11 +216,23 @@ class RunLog:
             self.folder.write("attempts.json", json.dumps(self.attempts))
 
     def log_step(self, record: dict[str, Any]) -> None:
-        self.latest = record
+        self.latest = {**record, **self._window(record)}
         self._log_metrics(record)
         self.metrics.on_step(record)
         if self.tracker is not None:
             self.tracker.add("step", record)
+
+    def _window(self, record: dict[str, Any]) -> dict[str, float]:
+        """`window_tokens_per_s`: real tokens over step seconds of the last WINDOW_STEPS steps
+        (the progress line's figure: one step's rate swings with whatever that step met)."""
+        if "real_tokens" not in record or "step_time_s" not in record:
+            return {}
+        if self._recent and self._recent[-1][0] >= record["step"]:
+            self._recent.clear()  # a restart went back to its checkpoint
+        self._recent.append((record["step"], record["real_tokens"], record["step_time_s"]))
+        del self._recent[:-WINDOW_STEPS]
+        seconds = sum(s for _, _, s in self._recent)
+        return {"window_tokens_per_s": sum(n for _, n, _ in self._recent) / seconds} if seconds > 0 else {}
 
     def log_committed(self, record: dict[str, Any], line: dict[str, Any] | None) -> None:
         """In-place recovery: every participant of a committed step sends its record and, with

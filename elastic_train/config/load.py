@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from elastic_train.config.devices import resolve_device_defaults
 from elastic_train.config.schema import Config, ConfigError
 from elastic_train.config.validate import validate
 
@@ -150,6 +151,7 @@ def load_config(
     for key, value in items:
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree, "")
+    resolve_device_defaults(cfg)
     validate(cfg)
     return cfg
 
@@ -157,6 +159,7 @@ def load_config(
 def config_from_dict(tree: dict[str, Any]) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (e.g. a checkpoint's saved config)."""
     cfg = _build(Config, tree, "")
+    resolve_device_defaults(cfg)
     validate(cfg)
     return cfg
 

@@ -36,7 +36,7 @@ class ScalingConfig:
     max_workers: int = 2  # and grows up to this many when the cluster has room
     use_gpu: bool = False  # one GPU per worker, NCCL; False: CPU workers, gloo
     max_failures: int = 3  # restarts allowed before the run fails (-1: unlimited)
-    cpus_per_worker: float = 1.0  # CPUs each worker reserves
+    cpus_per_worker: float | None = None  # CPUs each worker reserves; None: 1, or 4 on GPU workers
     resources_per_worker: dict[str, float] = field(default_factory=dict)  # extra Ray resources
     health_check_interval_s: float = 0.2  # controller poll; ray.train.report waits for it
     # give up reserving a group of this size after this long and decide again (not a failure); after
@@ -66,7 +66,13 @@ class DataConfig:
     # longest row, in tokens (prepare splits longer documents); None: the data set's own, as
     # `_prepare.json` records it (else its longest row), filled in before the run starts
     max_seq_len: int | None = None
-    micro_batch_tokens: int = 2048  # padded tokens (rows x longest row) in one micro-batch
+    # padded tokens (rows x longest row) in one micro-batch; None: 2048 on CPU, on GPU the largest
+    # divisor of global_batch_tokens up to 16384 that gives every worker one (config/devices.py)
+    micro_batch_tokens: int | None = None
+    # a micro-batch's columns padded up to a multiple of this on the device (never past
+    # max_seq_len), so that its shapes repeat; the padding figures count the rows' own padding
+    # only. None: 64 on GPU workers, 1 (no rounding) on CPU
+    pad_multiple: int | None = None
     global_batch_tokens: int = 16384  # padded-token budget of one optimizer step, any world size
     shuffle_window: int = 1024  # rows shuffled, sorted by length and bucketed together
     prefetch_steps: int = 2  # steps assembled ahead of the loop by a background thread
@@ -127,7 +133,7 @@ class ModelConfig:
 class TrainConfig:
     max_steps: int = 300  # stop after this many optimizer steps ...
     epochs: int = 1  # ... or after this many passes over the data, whichever comes first
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16: GPU only)
+    precision: str = "auto"  # auto (bf16 on GPU workers, fp32 on CPU) | fp32 | bf16 | fp16 (GPU only)
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     seed: int = 0  # model initialisation
     max_consecutive_skips: int = 3  # non-finite steps in a row before rolling back
@@ -256,6 +262,9 @@ class LogConfig:
     progress: str = "auto"  # auto | bar | lines | none
     tensorboard: bool = False
     peak_flops: float = 1e12  # per worker, for the MFU estimate
+    # [first, last]: profile these steps on rank 0 with torch.profiler and log the summary as a
+    # `profile` event (top kernels, GPU-idle fraction, host calls that synchronize; profile.py)
+    profile_steps: list[int] = field(default_factory=list)
     # An MLflow tracking URI (file:/path, http://host:5000; sqlite:///db with the full mlflow): the
     # run folder's figures, logged from the driver's node; a server that is down costs a warning
     mlflow: str | None = None

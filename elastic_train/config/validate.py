@@ -114,6 +114,10 @@ def validate(cfg: Config) -> None:
     )
     _at_least("log.print_every_steps", cfg.log.print_every_steps, 1)
     _at_least("log.peak_flops", cfg.log.peak_flops, 0, strict=True)
+    _at_least("data.pad_multiple", cfg.data.pad_multiple or 1, 1)
+    steps = cfg.log.profile_steps
+    _require(not steps or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
+             f"log.profile_steps must be [first, last] with 1 <= first <= last, got {steps!r}")
 
 
 def _validate_reduce(t: TrainConfig) -> None:

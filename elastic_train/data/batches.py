@@ -51,17 +51,40 @@ class MicroBatch:
             return int((mask[:, 1:] != 0).sum())
         return int(np.maximum(self.lengths - 1, 0).sum())
 
-    def to_batch(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def to_batch(self, device: torch.device, pad_multiple: int = 1,
+                 max_width: int | None = None) -> dict[str, torch.Tensor]:
         """The tensors a model and loss see (see `losses.py`): tokens, attention_mask,
-        position_ids, labels (IGNORE_INDEX on padding), lengths, and the extra columns."""
-        batch = make_batch(torch.from_numpy(self.tokens).to(device, non_blocking=True),
-                           torch.from_numpy(self.lengths).to(device, non_blocking=True))
-        for name, values in self.extras.items():
-            batch[name] = torch.from_numpy(values).to(device, non_blocking=True)
+        position_ids, labels (IGNORE_INDEX on padding), lengths, and the extra columns.
+
+        `pad_multiple` > 1 pads the columns up to a multiple of it (never past `max_width`), so
+        that a GPU sees few distinct shapes: its allocator and compiled graphs reuse them. The
+        extra columns are padding (beyond every row's length): no real token sees them. The
+        figures (`real_tokens`, `padded_tokens`) stay those of the micro-batch itself."""
+        tokens, extras = self.tokens, self.extras
+        width = tokens.shape[1]
+        wanted = -(-width // pad_multiple) * pad_multiple
+        if max_width is not None:
+            wanted = max(width, min(wanted, max_width))
+        if wanted > width:
+            tokens = np.pad(tokens, ((0, 0), (0, wanted - width)), mode="edge")
+            extras = {name: np.pad(v, ((0, 0), (0, wanted - width))) if v.ndim == 2
+                      and v.shape[1] == width else v for name, v in extras.items()}
+        batch = make_batch(_to_device(tokens, device), _to_device(self.lengths, device))
+        for name, values in extras.items():
+            batch[name] = _to_device(values, device)
         mask = batch.get(LOSS_MASK)
         if mask is not None and mask.shape == batch["labels"].shape:  # answers only
             batch["labels"] = torch.where(mask != 0, batch["labels"], IGNORE_INDEX)
         return batch
+
+
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`; to a GPU through pinned memory, so the copy is truly
+    asynchronous (from pageable memory the host waits for it to be staged)."""
+    tensor = torch.from_numpy(values)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def _stack_extra(values: list[Any]) -> np.ndarray:

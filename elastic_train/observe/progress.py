@@ -30,7 +30,8 @@ def format_line(latest: dict[str, Any], attempts: list[dict], max_steps: int, et
                  f"@{latest_eval['best_step']}) " if latest_eval else "")
     return (f"step {latest['step']}/{max_steps} epoch {latest['epoch']} "
             f"loss {latest['loss']:.4f} {evaluated}lr {latest['lr']:.2e} "
-            f"tok/s {latest['tokens_per_s']:.0f} workers {latest['world_size']} "
+            f"tok/s {latest.get('window_tokens_per_s', latest['tokens_per_s']):.0f} "
+            f"workers {latest['world_size']} "
             f"restarts {attempt_counts(attempts)['restarts']} eta {eta}{_straggler_note(latest)}")
 
 

@@ -200,7 +200,8 @@ def reduce_figures(events: list[dict]) -> dict:
     """The gradient reduction that ran (the latest attempt's), why, and its compression."""
     chosen = next((e for e in reversed(events) if e.get("event") == "grad_reduce"), {})
     return {"grad_reduce": chosen.get("chosen"), "grad_reduce_reason": chosen.get("reason"),
-            "grad_compression": chosen.get("grad_compression")}
+            "grad_compression": chosen.get("grad_compression"), "device": chosen.get("device"),
+            "precision": chosen.get("precision"), "micro_batch_tokens": chosen.get("micro_batch_tokens")}
 
 
 def compile_figures(events: list[dict]) -> dict:

@@ -180,7 +180,7 @@ def in_place_step(t: Training, manager: Any, env: InPlaceEnv, layout: Layout,
     loss, targets = accumulate(t.model, micro_batches, setup=t.setup, scale=1.0, step=state.step)
     extra, n, k = reducer.extra, layout.cursors, layout.partitions
     extra[:n] = torch.tensor(
-        [float(loss), targets, sum(mb.real_tokens for mb in micro_batches),
+        [float(loss), float(targets), sum(mb.real_tokens for mb in micro_batches),
          sum(mb.padded_tokens for mb in micro_batches), sum(len(mb.ids) for mb in micro_batches),
          len(micro_batches)], dtype=torch.float64)
     for p, (window, taken) in after.items():

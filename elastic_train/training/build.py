@@ -123,7 +123,9 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     if env.world_rank == 0:
         compression = cfg.train.grad_compression if isinstance(model, DistributedDataParallel) else "none"
         env.log_event({"event": "grad_reduce", "chosen": choice.chosen, "reason": choice.reason,
-                       "grad_compression": compression})
+                       "grad_compression": compression, "device": env.device.type,
+                       "precision": cfg.train.precision,
+                       "micro_batch_tokens": cfg.data.micro_batch_tokens})
     optimizer = build_optimizer(raw_model, cfg.optim, cfg.scaling.use_gpu)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16) if cfg.train.precision == "fp16" else None
     state = TrainState()
@@ -147,7 +149,8 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
         device=env.device, world_size=env.world_size, precision=cfg.train.precision,
         grad_clip=cfg.train.grad_clip, seed=cfg.train.seed, scaler=scaler, exact=reducer,
         count_targets=loss_fn is not None, pad_id=cfg.data.pad_id or 0,
-        extra_columns=env.extra_columns, sharded=sharded)
+        extra_columns=env.extra_columns, sharded=sharded, pad_multiple=cfg.data.pad_multiple or 1,
+        max_width=cfg.data.max_seq_len)
     return Training(model, raw_model, loss_module, optimizer, setup, state, powersgd=powersgd,
                     compiled=compiled)
 

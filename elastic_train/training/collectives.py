@@ -45,10 +45,12 @@ def collective_seconds() -> float:
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum a few numbers over all ranks in one collective (identity without a process group)."""
+    """Sum a few numbers over all ranks in one collective (identity without a process group:
+    then the numbers never go to the device and back, which on a GPU would wait for its queue)."""
+    if not is_distributed():
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    if is_distributed():
-        timed_all_reduce(t)
+    timed_all_reduce(t)
     return t.tolist()
 
 

@@ -72,7 +72,7 @@ def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, par
                                     .to_batch(setup.device))
                 for mb in micro_batches:
                     with autocast_context(setup.precision, setup.device):
-                        loss_sum, n_targets = loss_module(mb.to_batch(setup.device))
+                        loss_sum, n_targets = loss_module(setup.batch(mb))
                     total += loss_sum.detach().double()
                     targets += float(n_targets)
                     count += 1

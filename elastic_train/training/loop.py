@@ -29,6 +29,7 @@ from elastic_train.data.plan import (
     partition_balance,
     utilisation,
 )
+from elastic_train.observe.profile import StepProfiler
 from elastic_train.observe.stragglers import RANK_BUSY, RANK_DATA_WAIT
 from elastic_train.training.build import Training, build_training
 from elastic_train.training.checkpoint import checkpoint_name, snapshot
@@ -131,6 +132,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                    "utilisation": utilisation(num_partitions(cfg), world_size)})
     previous: tuple[float, float] | None = None  # this rank's (busy, data wait) of its last step
     tail_s = 0.0  # the last step's time after its record (the record's call, fault hooks)
+    profiler = StepProfiler(cfg.log.profile_steps if rank == 0 else [], env.device)
     while state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
         if rank == 0:
             _log_epoch_plan(env, cfg, state.epoch)
@@ -139,6 +141,8 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
             while state.step < cfg.train.max_steps:
                 t0, collective0 = time.perf_counter(), collective_seconds()
                 env.step_began(state.step + 1)
+                marked = profiler.step(state.step + 1)
+                marked.__enter__()
                 (micro_batches, cursors), wait_s = stream.next()
                 env.startup.setdefault("first_batch", time.time())
                 template = micro_batches[0] if micro_batches else template
@@ -151,6 +155,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                     env.device,
                 )
                 if n_mb == 0:  # every rank's partitions are exhausted: the epoch is over
+                    marked.__exit__(None, None, None)
                     state.epoch, state.step_in_epoch, state.cursors = state.epoch + 1, 0, {}
                     env.step_ended(None)
                     break
@@ -192,6 +197,9 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                 if t.compiled is not None:  # graphs this step compiled or loaded: an event
                     t.compiled.after_step(state.step, time.perf_counter() - t0, env.log_event)
                 env.inject_faults(state.step)
+                marked.__exit__(None, None, None)
+                if (summary := profiler.after_step(state.step)) is not None:
+                    env.log_event({"event": "profile", "step": state.step, **summary})
                 step_s = time.perf_counter() - t0
                 tail_s = step_s - step_time_s
                 previous = (step_s - (collective_seconds() - collective0), wait_s)
@@ -233,7 +241,8 @@ def _cuda_memory(device: torch.device) -> dict[str, int]:
     if device.type != "cuda":
         return {}
     return {"cuda_allocated_bytes": torch.cuda.memory_allocated(device),
-            "cuda_reserved_bytes": torch.cuda.memory_reserved(device)}
+            "cuda_reserved_bytes": torch.cuda.memory_reserved(device),
+            "cuda_peak_allocated_bytes": torch.cuda.max_memory_allocated(device)}
 
 
 def merge_cursors(saved: dict[str, list[int]], owned: list[dict[int, tuple[int, int]]]

@@ -109,18 +109,21 @@ def chunked_head_applies(model: nn.Module) -> bool:
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor],
-                   chunk_tokens: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, int]:
-    """Next-token cross entropy summed over real targets, and the number of real targets.
+                   chunk_tokens: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross entropy summed over real targets, and the number of real targets (an
+    int64 tensor on the batch's device).
 
     Row i holds `lengths[i]` real tokens, then padding; target j (token j + 1) is real when
     j < lengths[i] - 1, which `labels` marks (IGNORE_INDEX on padding), and, with a `loss_mask`
     (fine-tuning data), when token j + 1 is an answer token (IGNORE_INDEX on the prompt too).
     """
     targets = batch["labels"][:, 1:]
+    # the count stays a tensor on the batch's device: int() here would make the host wait for the
+    # GPU before every micro-batch's forward (the loop needs it only once a step, if at all)
     if LOSS_MASK in batch:
-        num_targets = int((targets != IGNORE_INDEX).sum())
+        num_targets = (targets != IGNORE_INDEX).sum()
     else:
-        num_targets = int((batch["lengths"] - 1).clamp(min=0).sum())
+        num_targets = (batch["lengths"] - 1).clamp(min=0).sum()
     if chunked_head_applies(model):
         return _chunked_hf_loss_sum(model, batch, targets, chunk_tokens), num_targets
     logits = forward(model, batch)[:, :-1]

@@ -108,6 +108,12 @@ class StepSetup:
     pad_id: int = 0
     extra_columns: tuple[str, ...] = ()  # the data set's columns beyond id/tokens/length
     sharded: ShardedReduce | None = None  # train.sharding=fsdp (sharding.py)
+    pad_multiple: int = 1  # data.pad_multiple: micro-batch columns rounded up on the device
+    max_width: int | None = None  # ... never past data.max_seq_len
+
+    def batch(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """`mb`'s tensors on the device, its columns rounded up as `pad_multiple` says."""
+        return mb.to_batch(self.device, self.pad_multiple, self.max_width)
 
 
 def forward_backward(
@@ -118,8 +124,9 @@ def forward_backward(
     global_targets: float,
     step: int = 0,
     dry_template: MicroBatch | None = None,
-) -> tuple[torch.Tensor, float]:
-    """Accumulate this rank's share of one global step's gradient: (its loss sum, its targets).
+) -> tuple[torch.Tensor, Any]:
+    """Accumulate this rank's share of one global step's gradient: (its loss sum, its targets:
+    a number or a device tensor, read only when needed).
 
     `model` maps a batch to (loss sum, targets) (`losses.LossModule`, maybe in DDP). The result in
     `.grad` is the gradient of (total loss / `global_targets`) over the global batch, the same as
@@ -157,7 +164,7 @@ def dry_backward(model: torch.nn.Module, setup: StepSetup, template: MicroBatch 
 
 def sharded_forward_backward(model: torch.nn.Module, micro_batches: list[MicroBatch], *,
                              setup: StepSetup, scale: float, step: int,
-                             dry_template: MicroBatch | None) -> tuple[torch.Tensor, float]:
+                             dry_template: MicroBatch | None) -> tuple[torch.Tensor, Any]:
     """train.sharding=fsdp: this rank's micro-batches, then dry ones up to `rounds` (each
     forward's all-gather, and each reduce-scatter, is a collective every rank joins), then the
     gradient finished (sharding.py)."""
@@ -173,7 +180,7 @@ def sharded_forward_backward(model: torch.nn.Module, micro_batches: list[MicroBa
 
 
 def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], *, setup: StepSetup,
-               scale: float, step: int, rounds: int | None = None) -> tuple[torch.Tensor, float]:
+               scale: float, step: int, rounds: int | None = None) -> tuple[torch.Tensor, Any]:
     """Forward and backward each micro-batch (its loss sum times `scale`), its random ops seeded by
     (seed, step, partition); with `setup.exact` each gradient goes into the float64 sum at once,
     in DDP only the last backward syncs; sharded, as `setup.sharded` says for backward i of
@@ -182,7 +189,7 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], *, setup
     exact, scaler, device = setup.exact, setup.scaler, setup.device
     backward = (lambda x: scaler.scale(x).backward()) if scaler is not None else torch.Tensor.backward
     total = torch.zeros((), dtype=torch.float64, device=device)
-    targets = 0.0
+    targets: Any = 0.0  # a float, or a device tensor when the loss counts on the device (no sync)
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         if setup.seed is not None:
@@ -191,12 +198,12 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], *, setup
             setup.sharded.set_sync(i == (rounds or len(micro_batches)) - 1)
         with nullcontext() if (last or not ddp) else model.no_sync():
             with autocast_context(setup.precision, device):
-                loss_sum, n_targets = model(mb.to_batch(device))
+                loss_sum, n_targets = model(setup.batch(mb))
             backward(loss_sum * scale)
         if exact is not None:
             exact.add_grads()
         total += loss_sum.detach().double()
-        targets += float(n_targets)
+        targets = targets + n_targets
     return total, targets
 
 
@@ -211,6 +218,16 @@ def poison_gradient(model: torch.nn.Module, value: float = float("nan")) -> None
         if local is not None and local.numel():
             local.view(-1)[0] = value
             return
+
+
+def _read_together(*values: Any) -> list[float]:
+    """Numbers (tensors on one device, or floats) on the host in one wait for the device, not
+    one wait each; each value exactly (float64 holds an fp32 or float64 value as it is)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.detach().to(torch.float64).reshape(()) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 def optimizer_step(
@@ -239,8 +256,9 @@ def optimizer_step(
         norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), grad_clip if grad_clip > 0 else float("inf")
         )
-    nonfinite = 0.0 if math.isfinite(float(norm)) else 1.0
-    loss_sum, any_nonfinite = all_reduce_sum([float(local_loss), nonfinite], device)
+    norm, local = _read_together(norm, local_loss)
+    nonfinite = 0.0 if math.isfinite(norm) else 1.0
+    loss_sum, any_nonfinite = all_reduce_sum([local, nonfinite], device)
     if any_nonfinite:
         optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
@@ -248,13 +266,13 @@ def optimizer_step(
             # finite found no inf): scale * backoff_factor, and growth counting starts again.
             scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
             scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
-        return loss_sum, float(norm), True
+        return loss_sum, norm, True
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
-    return loss_sum, float(norm), False
+    return loss_sum, norm, False
 
 
 @dataclass
@@ -294,7 +312,7 @@ def train_step(
         dry_template=dry_template)
     targets = data_targets
     if setup.count_targets:
-        (targets,) = all_reduce_sum([local_targets], setup.device)
+        (targets,) = all_reduce_sum([float(local_targets)], setup.device)
         if targets != data_targets:
             rescale_grads(raw_model, data_targets / max(targets, 1.0))
     if poison is not None:
