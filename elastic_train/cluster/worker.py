@@ -85,6 +85,7 @@ class RayWorkerEnv(FaultHooks):
         self.extra_columns = extra_columns  # data set columns beyond id/tokens/length, for the loss
         self.world_rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
+        self.local_world_size = ctx.get_local_world_size()  # ranks sharing this node's memory
         self.device = ray.train.torch.get_device()
         # Where this rank runs, on each event it logs: a slow or hung rank is named by its node,
         # and a test finds the process to freeze by its pid.
@@ -486,8 +487,8 @@ def train_worker(config: dict[str, Any]) -> None:
     startup = {"process_start": psutil.Process().create_time(), "train_fn_start": time.time()}
     from elastic_train.cluster import raydata  # noqa: F401  (registers data.reader=ray_data)
     from elastic_train.recovery.inplace import in_place_loop
-    from elastic_train.training.build import ModelTooLargeError
     from elastic_train.training.loop import train_loop
+    from elastic_train.training.memory import ModelTooLargeError
     from elastic_train.training.step import NonFiniteError
 
     cfg = config_from_dict(config["config"])

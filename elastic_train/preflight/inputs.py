@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
+from typing import Any
 
+import psutil
 import torch
 
-from elastic_train.config import Config, ConfigError, num_partitions, validate
+from elastic_train.config import Config, ConfigError, choose_grad_reduce, num_partitions, validate
 from elastic_train.data.blocks import check_blocks
 from elastic_train.data.dataset import DatasetInfo, dataset_blocks, extra_columns, inspect_dataset
 from elastic_train.data.prepare import default_corpus_dir
@@ -25,6 +28,15 @@ from elastic_train.preflight.resolve import resolve_config
 from elastic_train.preflight.resume import check_resumable
 from elastic_train.preflight.vocab import check_model_tokenizer
 from elastic_train.training.checkpoint import model_signature
+from elastic_train.training.memory import (
+    RAY_MEMORY_THRESHOLD,
+    GiB,
+    ModelTooLargeError,
+    check_fits_memory,
+    device_bytes,
+    host_bytes_per_rank,
+    model_shapes,
+)
 from elastic_train.training.model import (
     BYTE_VOCAB,
     ModelFn,
@@ -182,7 +194,35 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     check_storage(cfg)
     saved = check_resumable(cfg, model_signature(model), info)
     check_reduce(cfg, saved)
+    check_model_memory(cfg, model, saved)
     return info
+
+
+def check_model_memory(cfg: Config, model: torch.nn.Module, saved: dict[str, Any] | None) -> None:
+    """On a local cluster (this machine's memory and GPU are the workers'), the model's meta
+    shapes against what a rank can have (training/memory.py), at scaling.min_workers: one
+    ConfigError line naming the figures and what would fit, before Ray starts. A remote
+    cluster's nodes are not known here: its workers check before they build."""
+    if cfg.run.address or os.environ.get("RAY_ADDRESS"):
+        return
+    train_state = (saved or {}).get("train_state")
+    grad_reduce = choose_grad_reduce(cfg.train, cfg.scaling.use_gpu,
+                                     train_state.get("grad_reduce") if isinstance(train_state, dict)
+                                     else None).chosen
+    if cfg.fault.recovery == "in_place":
+        grad_reduce = "exact"
+    workers = cfg.scaling.min_workers
+    if cfg.scaling.use_gpu:
+        available, where = device_bytes(torch.device("cuda", 0)), "the GPU's memory"
+    else:
+        node = psutil.virtual_memory().total
+        available = host_bytes_per_rank(node, workers)
+        where = (f"{RAY_MEMORY_THRESHOLD:.0%} of this host's {node / GiB:.1f} GiB over "
+                 f"{workers} worker(s)")
+    try:
+        check_fits_memory(model_shapes(model, cfg), cfg, grad_reduce, workers, available, where)
+    except ModelTooLargeError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def meta_model(cfg: Config, model_fn: ModelFn | None = None) -> torch.nn.Module:

@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -32,54 +33,41 @@ from elastic_train.training.env import WorkerEnv
 from elastic_train.training.lora import LoraModel
 from elastic_train.training.lorashard import shard_frozen_base
 from elastic_train.training.losses import LossFn, LossModule
+from elastic_train.training.memory import (
+    RAY_MEMORY_THRESHOLD,
+    GiB,
+    check_fits_memory,
+    device_bytes,
+    host_bytes_per_rank,
+    model_shapes,
+)
 from elastic_train.training.model import (
     ModelFn,
+    build_meta_model,
     build_model,
-    count_parameters,
 )
-from elastic_train.training.optim import (
-    build_optimizer,
-    training_bytes_per_param,
-)
+from elastic_train.training.optim import build_optimizer
 from elastic_train.training.reduce import ExactGradSum
 from elastic_train.training.sharding import (
     ShardedReduce,
     load_sharded_checkpoint,
     shard_model,
-    sharded_bytes_per_param,
 )
 from elastic_train.training.step import StepSetup, TrainState
 
 
-class ModelTooLargeError(RuntimeError):
-    """The model cannot fit the device: the run stops at once (a restart would not help)."""
-
-
-def check_fits_device(model: torch.nn.Module, cfg: Config, device: torch.device,
-                      grad_reduce: str) -> None:
-    """On a GPU, refuse a model whose weights, gradients, optimizer state and reduction buffers
-    (of `grad_reduce`, the resolved reduction) alone exceed the device's memory (docs/performance.md: "How
-    large a model fits")."""
-    if device.type != "cuda":
-        return
-    per_param = training_bytes_per_param(cfg.optim.name, grad_reduce, cfg.train.grad_compression)
-    # A frozen parameter (LoRA's base) costs its own bytes only: no gradient, state or buffer.
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    if cfg.train.sharding == "fsdp":
-        dist = torch.distributed
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        if isinstance(model, LoraModel):  # the frozen base sharded, adapters whole (lorashard.py)
-            frozen /= world_size
-        else:
-            per_param = sharded_bytes_per_param(grad_reduce, world_size)
-    needed = sum(p.numel() for p in model.parameters() if p.requires_grad) * per_param + frozen
-    total = torch.cuda.get_device_properties(device).total_memory
-    if needed > total:
-        raise ModelTooLargeError(
-            f"model of {count_parameters(model) / 1e9:.2f}B parameters needs {needed / 2**30:.1f} GiB "
-            f"({per_param:.0f} bytes per parameter with optim.name={cfg.optim.name} and "
-            f"train.grad_reduce={grad_reduce}) before activations; the GPU has "
-            f"{total / 2**30:.1f} GiB")
+def check_fits_rank(meta: torch.nn.Module, cfg: Config, env: WorkerEnv, grad_reduce: str) -> None:
+    """Before any parameter is materialized: what this rank needs of the model built on the meta
+    device against the GPU's memory, or on CPU the node's memory over the ranks sharing it
+    (memory.py); ModelTooLargeError, one line, otherwise."""
+    if env.device.type == "cuda":
+        available, where = device_bytes(env.device), "the GPU's memory"
+    else:
+        ranks = getattr(env, "local_world_size", env.world_size)
+        node = psutil.virtual_memory().total
+        available = host_bytes_per_rank(node, ranks)
+        where = f"{RAY_MEMORY_THRESHOLD:.0%} of the node's {node / GiB:.1f} GiB over {ranks} rank(s)"
+    check_fits_memory(model_shapes(meta, cfg), cfg, grad_reduce, env.world_size, available, where)
 
 
 @dataclass
@@ -109,10 +97,11 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     ckpt_dir = env.latest_checkpoint_dir()
     choice = resolve_reduce(cfg, env, ckpt_dir)
     set_deterministic(cfg.train.deterministic, env.device)
+    meta = build_meta_model(cfg.model, cfg.data.max_seq_len, model_fn)
+    check_fits_rank(meta, cfg, env, choice.chosen)  # before a byte of the model is allocated
     raw_model = build_model(cfg.model, cfg.data.max_seq_len, model_fn)
     env.startup["model_built"] = time.time()
     exact = choice.chosen == "exact"
-    check_fits_device(raw_model, cfg, env.device, choice.chosen)
     loss_module = LossModule(raw_model, loss_fn)
     sharded = None
     if cfg.train.sharding == "fsdp":

@@ -1,0 +1,229 @@
+"""What one rank needs to train a model, from its meta shapes, against what the rank can have.
+
+The driver (preflight, before Ray starts) and every worker (before it materializes a parameter)
+call `check_fits_memory` on the model built on the meta device: a model that cannot fit is
+refused in seconds with one line naming the figures and what would fit, instead of being built in
+host memory until the OS or Ray's memory monitor kills the process minutes later.
+
+Per rank, AdamW (optim.py and sharding.py give the bytes per parameter):
+- unsharded: every trainable parameter's weight (4), gradient (4), optimizer state (8 adamw,
+  2 adamw8bit), reduction buffer (exact: its float64 sum, 8; ddp: the fp32 buckets, 4) and a
+  communication hook's state; a frozen parameter (LoRA's base) its own bytes only.
+- fsdp: 32 bytes a parameter over W (exact: float64 master, gradient, fp32-valued moments kept in
+  float64) or 16 over W (ddp); LoRA's frozen base over W, its adapters whole. Plus, while a block
+  runs, that block gathered whole with its gradient (8 bytes a parameter of the largest block).
+- activations, a stated estimate: for a transformer of L layers and width d, about 34 bytes per
+  token per layer per unit of width in 16-bit (Korthikanti et al., 2022, "Reducing Activation
+  Recomputation"), so 68 in fp32 and 34 with bf16/fp16 autocast, for one micro-batch of
+  data.micro_batch_tokens tokens; with gradient checkpointing one layer's worth plus each layer's
+  input; plus the logits and their gradient (tokens x vocab x 4 bytes, twice). Models that do not
+  say L and d (user modules) get the logits term alone.
+
+What a rank can have: the device's memory on a GPU; on CPU the node's memory times Ray's memory
+monitor threshold (0.95: the fraction at which it kills workers) over the ranks sharing that node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from elastic_train.config import Config
+from elastic_train.training.optim import (
+    COMM_HOOK_STATE_BYTES,
+    OPTIMIZER_STATE_BYTES,
+    REDUCTION_BUFFER_BYTES,
+)
+
+GiB = 2**30
+RAY_MEMORY_THRESHOLD = 0.95  # Ray's memory monitor kills workers above this share of a node's memory
+KORTHIKANTI_BYTES = 34  # activation bytes per token, layer and unit of width, 16-bit
+
+
+class ModelTooLargeError(RuntimeError):
+    """The model cannot fit the memory a rank has: the run stops at once (a restart would not
+    help)."""
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the memory estimate reads of a (meta) model."""
+
+    trainable: int  # trainable parameters
+    frozen_bytes: int  # bytes of the frozen ones (LoRA's base), in their own dtype
+    largest_block: int  # parameters of the largest block FSDP gathers whole
+    n_layer: int | None = None  # for the activation estimate
+    width: int | None = None
+    vocab: int | None = None
+    lora: bool = False
+    frozen_params: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.trainable + self.frozen_params
+
+
+def model_shapes(model: nn.Module, cfg: Config) -> ModelShapes:
+    """Counts from a model's parameters (meta or not: only shapes and dtypes are read)."""
+    from elastic_train.training.lora import LoraModel
+    from elastic_train.training.sharding import find_blocks
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    try:
+        blocks = find_blocks(model, cfg.model.shard_modules)
+    except ValueError:
+        blocks = []
+    largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    n_layer, width, vocab = _dims(model, cfg)
+    return ModelShapes(trainable=trainable, frozen_bytes=sum(p.numel() * p.element_size() for p in frozen),
+                       largest_block=largest, n_layer=n_layer, width=width, vocab=vocab,
+                       lora=isinstance(model, LoraModel), frozen_params=sum(p.numel() for p in frozen))
+
+
+def _dims(model: nn.Module, cfg: Config) -> tuple[int | None, int | None, int | None]:
+    """(layers, width, vocabulary) where the model says them: the embedded GPT's config or a
+    transformers config."""
+    from elastic_train.config import gpt_config
+
+    if cfg.model.name == "gpt":
+        gpt = gpt_config(cfg.model)
+        return gpt.n_layer, gpt.d_model, cfg.model.vocab_size or 256
+    hf = getattr(model, "config", None)
+    if hf is None:
+        base = getattr(getattr(model, "peft", None), "get_base_model", None)
+        hf = getattr(base(), "config", None) if callable(base) else None
+    layers, width = getattr(hf, "num_hidden_layers", None), getattr(hf, "hidden_size", None)
+    return layers, width, getattr(hf, "vocab_size", None)
+
+
+@dataclass(frozen=True)
+class RankNeed:
+    """Bytes one rank needs, by kind."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    reduction: float
+    gathered: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.reduction + self.gathered
+                + self.activations)
+
+    def describe(self) -> str:
+        parts = [("weights", self.weights), ("gradients", self.grads),
+                 ("optimizer state", self.optimizer), ("reduction buffers", self.reduction),
+                 ("gathered block", self.gathered), ("activations (estimate)", self.activations)]
+        return ", ".join(f"{name} {b / GiB:.1f}" for name, b in parts if b)
+
+
+def activation_bytes(shapes: ModelShapes, cfg: Config) -> float:
+    """The stated activation estimate of one micro-batch (module docstring)."""
+    tokens = cfg.data.micro_batch_tokens
+    half = cfg.train.precision in ("bf16", "fp16")
+    per_unit = KORTHIKANTI_BYTES * (1 if half else 2)
+    layers = 0.0
+    if shapes.n_layer and shapes.width:
+        layers = per_unit * tokens * shapes.width * shapes.n_layer
+        if cfg.model.gradient_checkpointing:  # one layer's worth, and every layer's input
+            layers = tokens * shapes.width * (per_unit + shapes.n_layer * (2 if half else 4))
+    logits = 2 * 4 * tokens * (shapes.vocab or 0)
+    return layers + logits
+
+
+def rank_need(shapes: ModelShapes, cfg: Config, grad_reduce: str, world_size: int,
+              sharding: str | None = None) -> RankNeed:
+    """What one of `world_size` ranks holds (module docstring), `sharding` (default the
+    config's) and `grad_reduce` (resolved: exact or ddp)."""
+    sharding = sharding or cfg.train.sharding
+    acts = activation_bytes(shapes, cfg)
+    p = float(shapes.trainable)
+    if sharding == "fsdp" and not shapes.lora:
+        per = 8.0 if grad_reduce == "exact" else 4.0  # master and gradient: float64 or fp32
+        return RankNeed(weights=p * per / world_size, grads=p * per / world_size,
+                        optimizer=p * 2 * per / world_size, reduction=0.0,
+                        gathered=8.0 * shapes.largest_block, activations=acts)
+    frozen = shapes.frozen_bytes / (world_size if sharding == "fsdp" else 1)
+    optimizer = OPTIMIZER_STATE_BYTES[cfg.optim.name]
+    reduction = REDUCTION_BUFFER_BYTES[grad_reduce] + COMM_HOOK_STATE_BYTES.get(
+        cfg.train.grad_compression, 0.0)
+    return RankNeed(weights=4.0 * p + frozen, grads=4.0 * p, optimizer=optimizer * p,
+                    reduction=reduction * p, gathered=0.0, activations=acts)
+
+
+def host_bytes_per_rank(node_bytes: int, ranks_on_node: int) -> float:
+    """What one of `ranks_on_node` CPU ranks can have of a node's memory."""
+    return node_bytes * RAY_MEMORY_THRESHOLD / max(1, ranks_on_node)
+
+
+def check_fits_memory(shapes: ModelShapes, cfg: Config, grad_reduce: str, world_size: int,
+                      available_bytes: float, where: str) -> None:
+    """ModelTooLargeError, one line naming the figures and what would fit, when a rank of
+    `world_size` needs more than `available_bytes` (`where` says what that is)."""
+    need = rank_need(shapes, cfg, grad_reduce, world_size)
+    if need.total <= available_bytes:
+        return
+    setting = f"train.sharding={cfg.train.sharding}, train.grad_reduce={grad_reduce}, " \
+              f"optim.name={cfg.optim.name}"
+    raise ModelTooLargeError(
+        f"model of {shapes.total / 1e9:.2f}B parameters does not fit: each of {world_size} "
+        f"rank(s) needs {need.total / GiB:.1f} GiB ({need.describe()} GiB; {setting}) but a rank "
+        f"has {available_bytes / GiB:.1f} GiB ({where}); "
+        f"{what_would_fit(shapes, cfg, grad_reduce, world_size, available_bytes)}")
+
+
+def what_would_fit(shapes: ModelShapes, cfg: Config, grad_reduce: str, world_size: int,
+                   available_bytes: float) -> str:
+    """The alternatives, each with its need per rank: fsdp (and how many ranks of this size it
+    takes), LoRA with a bf16 base (sharded or not)."""
+    options = []
+    if cfg.train.sharding != "fsdp" or shapes.lora:
+        fsdp = rank_need(shapes, cfg, grad_reduce, world_size, "fsdp").total
+        options.append(f"train.sharding=fsdp: {fsdp / GiB:.1f} GiB per rank at {world_size}")
+    ranks = min_ranks(shapes, cfg, grad_reduce, available_bytes)
+    options.append(f"fsdp over {ranks} ranks of {available_bytes / GiB:.1f} GiB each (more "
+                   "workers, each with its own memory)" if ranks else
+                   "no number of fsdp ranks of this size (the activations or a gathered block "
+                   "alone exceed it)")
+    if not shapes.lora and shapes.trainable:
+        lora = _lora_shapes(shapes)
+        plain = rank_need(lora, cfg, grad_reduce, world_size, "none").total
+        sharded = rank_need(lora, cfg, grad_reduce, world_size, "fsdp").total
+        options.append(f"LoRA with a bf16 base (model.lora.r=8, model.base_dtype=bf16): "
+                       f"~{plain / GiB:.1f} GiB per rank, ~{sharded / GiB:.1f} with fsdp")
+    elif shapes.lora:
+        options.append("model.base_dtype=bf16 halves an fp32 base")
+    return "what would fit: " + "; ".join(options)
+
+
+def _lora_shapes(shapes: ModelShapes) -> ModelShapes:
+    """The same model as a bf16 frozen base with r=8 adapters (about 0.2% of its parameters)."""
+    adapters = max(1, shapes.total // 500)
+    return ModelShapes(trainable=adapters, frozen_bytes=2 * shapes.total, largest_block=0,
+                       n_layer=shapes.n_layer, width=shapes.width, vocab=shapes.vocab, lora=True,
+                       frozen_params=shapes.total)
+
+
+def min_ranks(shapes: ModelShapes, cfg: Config, grad_reduce: str,
+              available_bytes: float) -> int | None:
+    """The fewest fsdp ranks of `available_bytes` each that hold the model; None if none do
+    (what every rank holds whole, a gathered block and the activations, exceeds it alone)."""
+    whole = rank_need(shapes, cfg, grad_reduce, 1, "fsdp").total
+    fixed = rank_need(shapes, cfg, grad_reduce, 1 << 60, "fsdp").total  # held whole by every rank
+    if fixed >= available_bytes:
+        return None
+    ranks = max(1, math.ceil((whole - fixed) / (available_bytes - fixed)))
+    while rank_need(shapes, cfg, grad_reduce, ranks, "fsdp").total > available_bytes:
+        ranks += 1  # float round-off in the division
+    return ranks
+
+
+def device_bytes(device: torch.device) -> int:
+    """A GPU's memory."""
+    return torch.cuda.get_device_properties(device).total_memory
