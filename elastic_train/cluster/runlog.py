@@ -112,6 +112,7 @@ class RunLog:
         self.session, self.session_attempts = time.time(), 0
         self.failures: list[dict[str, Any]] = []  # every failure the failure policy saw (failures.py)
         self.rank_nodes: dict[int, str] = {}  # each rank's node, from the events its worker logs
+        self.worker_started: float | None = None  # when a worker last began (it builds, then begins)
         # The driver starts the RunLog as the fit starts; the run folder is `<storage>/<run.name>`.
         self.metrics = RunMetrics(run_name=Path(self.folder.remote_path).name, start_time=time.time())
 
@@ -309,6 +310,8 @@ class RunLog:
     def log_event(self, record: dict[str, Any]) -> None:
         if isinstance(record.get("rank"), int) and record.get("node"):
             self.rank_nodes[record["rank"]] = record["node"]
+        if record.get("event") == "worker_started":
+            self.worker_started = time.time()
         self.folder.append("events.jsonl", [json.dumps({"time": time.time(), **record})])
 
     def claim_fault(self, key: str) -> bool:
@@ -346,7 +349,7 @@ class RunLog:
 
     def progress(self) -> dict[str, Any]:
         return {"latest": self.latest, "latest_eval": self.latest_eval, "attempts": self.attempts,
-                "fatal": self.fatal, "failures": self.failures}
+                "fatal": self.fatal, "failures": self.failures, "worker_started": self.worker_started}
 
     def local_folder(self) -> str:
         return str(self.folder.local)

@@ -119,13 +119,17 @@ class RunWatch:
             self.printed.add(i)
             self._print(failure_line(failure, later[0] if later else None, state.get("fatal")))
         if not final:
-            self._watch_start(attempts, now)
+            self._watch_start(attempts, now, state.get("worker_started"))
 
-    def _watch_start(self, attempts: list[dict], now: float) -> None:
-        """While no worker group runs: show the wait, end it after scaling.start_timeout_s."""
+    def _watch_start(self, attempts: list[dict], now: float, worker_started: float | None = None) -> None:
+        """While no worker group runs: show the wait, end it after scaling.start_timeout_s. A
+        worker that started since then builds its model (a large one takes minutes): no wait,
+        and the resources it holds are the run's own, not "other runs or tasks"."""
         if attempts and "end" not in attempts[-1]:
             return
         since = attempts[-1]["end"]["time"] if attempts else self._fit_start
+        if worker_started is not None and worker_started > since:
+            return
         waited = now - since
         timeout = self.cfg.scaling.start_timeout_s
         if waited >= timeout and self.reason is None:
