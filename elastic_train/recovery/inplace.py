@@ -206,7 +206,7 @@ def in_place_step(t: Training, manager: Any, env: InPlaceEnv, layout: Layout,
     # every replica holds the same reduced gradient: the same norm and skip decision, no
     # collective (the default process group is this replica group of one)
     _, grad_norm, skipped = optimizer_step(t.raw_model, t.optimizer, None, grad_clip,
-                                           torch.tensor(loss_sum), env.device)
+                                           torch.tensor(loss_sum), env.device, exact=True)
     return ReducedStep(loss_sum / max(total_targets, 1.0), real, padded, rows, n_mb, cursors, pids,
                        ids, grad_norm, skipped, t1 - t0, time.perf_counter() - t1)
 

@@ -45,6 +45,7 @@ from elastic_train.training.model import (
     ModelFn,
     build_meta_model,
     build_model,
+    can_materialize,
 )
 from elastic_train.training.optim import build_optimizer
 from elastic_train.training.reduce import ExactGradSum
@@ -99,7 +100,10 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     set_deterministic(cfg.train.deterministic, env.device)
     meta = build_meta_model(cfg.model, cfg.data.max_seq_len, model_fn)
     check_fits_rank(meta, cfg, env, choice.chosen)  # before a byte of the model is allocated
-    raw_model = build_model(cfg.model, cfg.data.max_seq_len, model_fn)
+    if cfg.train.sharding == "fsdp" and can_materialize(meta):
+        raw_model = meta  # sharded on meta, then each rank creates its own rows (sharding.py)
+    else:
+        raw_model = build_model(cfg.model, cfg.data.max_seq_len, model_fn)
     env.startup["model_built"] = time.time()
     exact = choice.chosen == "exact"
     loss_module = LossModule(raw_model, loss_fn)

@@ -24,7 +24,13 @@ from elastic_train.config import ConfigError
 from elastic_train.training.collectives import is_distributed, timed_all_reduce
 from elastic_train.training.lora import BASE_KEY, LoraModel
 from elastic_train.training.reduce import ExactGradSum
-from elastic_train.training.sharding import ShardedReduce, ensure_process_group, find_blocks
+from elastic_train.training.sharding import (
+    ShardedReduce,
+    clip_rows,
+    ensure_process_group,
+    find_blocks,
+    row_norm,
+)
 
 
 def shard_frozen_base(root: nn.Module, model: LoraModel, *, exact: bool, reshard_after_forward: bool,
@@ -97,12 +103,21 @@ class LoraShardedReduce(ShardedReduce):
             offset += p.numel()
 
     def grad_norm(self) -> float:
+        if self.exact:
+            return row_norm(self.params, 0, 1, self.device)
         return float(torch.nn.utils.get_total_norm([p.grad for p in self.params]))
 
     def clip_(self, max_norm: float) -> float:
-        """As the unsharded step clips: every rank holds the same whole gradient."""
+        """As the unsharded step clips (exact: `clip_rows`, step.optimizer_step): every rank
+        holds the same whole gradient."""
+        if self.exact:
+            return clip_rows(self.params, max_norm, 0, 1, self.device)
         return float(torch.nn.utils.clip_grad_norm_(
             self.params, max_norm if max_norm > 0 else float("inf")))
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The adapters are whole fp32 tensors: the optimizer's own step, as unsharded."""
+        optimizer.step()
 
 
 def _moves_into(acc: torch.Tensor) -> Callable[[torch.Tensor], None]:

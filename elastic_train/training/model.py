@@ -82,17 +82,27 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
-        self._init_weights(cfg.n_layer)
+        self.n_layer = cfg.n_layer
+        if not self.wte.weight.is_meta:  # built directly, not by build_gpt: initialise in place
+            fill_initial_values(self)
 
-    def _init_weights(self, n_layer: int) -> None:
-        # GPT-2: N(0, 0.02), and the projections that write into the residual stream scaled down
-        # by sqrt(2 * n_layer) so the stream's variance does not grow with depth.
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        for block in self.blocks:
-            for proj in (block.attn.proj, block.mlp[2]):
-                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+    def initial_value(self, name: str, shape: torch.Size) -> torch.Tensor:
+        """The initial value of parameter `name`, whole, in fp32, drawn from the global torch RNG.
+
+        `materialize` calls it once per parameter in `named_parameters()` order, unsharded and
+        sharded alike, so both draw the same stream and a rank keeps the rows it owns of values
+        equal to the bit to an unsharded build's; only one parameter is whole at a time. GPT-2's
+        scheme: N(0, 0.02), the projections that write into the residual stream scaled down by
+        sqrt(2 * n_layer) so the stream's variance does not grow with depth; layer norms 1 and 0.
+        """
+        owner, _, kind = name.rpartition(".")
+        if kind == "bias":
+            return torch.zeros(shape, device="cpu")
+        if isinstance(self.get_submodule(owner), nn.LayerNorm):
+            return torch.ones(shape, device="cpu")
+        residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
+        std = 0.02 / math.sqrt(2 * self.n_layer) if residual else 0.02
+        return torch.empty(shape, device="cpu").normal_(mean=0.0, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: LongTensor[B, T] -> logits [B, T, vocab]."""
@@ -122,7 +132,59 @@ def build_gpt(model_cfg: ModelConfig, max_seq_len: int) -> nn.Module:
     if unknown:
         raise ValueError(f"model.kwargs: {', '.join(unknown)} not known to model.name=gpt (the "
                          f"embedded GPT takes {', '.join(GPT_KWARGS)})")
-    return GPT(gpt_config(model_cfg), max_seq_len, model_cfg.vocab_size or BYTE_VOCAB)
+    with torch.device("meta"), _SkipValueWritesOnMeta():
+        model = GPT(gpt_config(model_cfg), max_seq_len, model_cfg.vocab_size or BYTE_VOCAB)
+    if not building_on_meta():
+        materialize(model, torch.device("cpu"))
+    return model
+
+
+def building_on_meta() -> bool:
+    """Whether the caller builds on the meta device (`build_meta_model`)."""
+    return torch.empty(0).device.type == "meta"
+
+
+def can_materialize(model: nn.Module) -> bool:
+    """Whether the model draws each parameter's initial value on its own (`initial_value(name,
+    shape)`, as the embedded GPT does), so that a meta build can be materialized a parameter at
+    a time, or a rank's rows at a time."""
+    return callable(getattr(model, "initial_value", None))
+
+
+def materialize(root: nn.Module, device: torch.device, model: nn.Module | None = None) -> None:
+    """Give a meta-built `root` memory on `device` and `model`'s initial values (`model`: the
+    module with `initial_value`, `root` itself or inside it): one whole parameter at a time, in
+    `model.named_parameters()` order, from the global torch RNG. A parameter FSDP sharded
+    (a DTensor) keeps only this rank's rows of each whole value, so a sharded build holds the
+    largest parameter whole at most, and its rows equal an unsharded build's to the bit."""
+    ties = []  # (module, name, the module and name it shares its parameter with)
+    first: dict[int, tuple[nn.Module, str]] = {}
+    for module in root.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                ties.extend([(module, name, first[id(p)])] if id(p) in first else [])
+                first.setdefault(id(p), (module, name))
+    root.to_empty(device=device)
+    for module, name, (owner, owner_name) in ties:  # to_empty unties plain tensors: tie again
+        setattr(module, name, getattr(owner, owner_name))
+    fill_initial_values(model or root)
+
+
+def fill_initial_values(model: nn.Module) -> None:
+    """`model.initial_value` of each parameter, in order, into its memory (`materialize`)."""
+    from torch.distributed.tensor import DTensor
+
+    from elastic_train.training.shardfiles import row_range
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            whole = model.initial_value(name, p.shape)
+            if isinstance(p, DTensor):
+                rank, ranks = p.device_mesh.get_local_rank(), p.device_mesh.size()
+                start, end = row_range(p.shape[0], rank, ranks)
+                p.to_local().copy_(whole[start:end])
+            else:
+                p.copy_(whole)
 
 
 def _build_hf(model_cfg: ModelConfig, max_seq_len: int) -> nn.Module:

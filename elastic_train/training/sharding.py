@@ -64,7 +64,7 @@ from elastic_train.training.checkpoint import (
     snapshot,
 )
 from elastic_train.training.collectives import is_distributed, timed_all_reduce
-from elastic_train.training.model import missing_module_classes
+from elastic_train.training.model import can_materialize, materialize, missing_module_classes
 from elastic_train.training.reduce import ExactGradSum
 from elastic_train.training.shardfiles import ShardedFiles, row_range, sharding_of
 
@@ -106,7 +106,10 @@ def shard_model(root: nn.Module, model: nn.Module, *, exact: bool, precision: st
                 device: torch.device) -> ShardedReduce:
     """fully_shard each block of `model`, then `root` (the LossModule around it), on a mesh of
     every rank; the parameters move to `device` one block at a time. Every rank starts from
-    rank 0's weights, as DDP's constructor makes them. (LoRA: lorashard.py, from build.py.)"""
+    rank 0's weights, as DDP's constructor makes them. A model built on the meta device (one that
+    can `materialize`, as the embedded GPT) is sharded there, and then each rank creates only its
+    rows, equal to the bit to an unsharded build's (model.materialize). (LoRA: lorashard.py,
+    from build.py.)"""
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if exact:
@@ -114,7 +117,12 @@ def shard_model(root: nn.Module, model: nn.Module, *, exact: bool, precision: st
     else:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None,
                                       reduce_dtype=torch.float32)
-    ExactGradSum.broadcast_parameters(model)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and not can_materialize(model):
+        raise ValueError(f"{type(model).__name__} was built on the meta device but has no "
+                         "initial_value(name, shape) to materialize its shards with")
+    if not on_meta:
+        ExactGradSum.broadcast_parameters(model)
     for block in reversed(find_blocks(model, shard_modules)):  # inner blocks before outer ones
         if exact:
             _to_float64(block)
@@ -126,6 +134,8 @@ def shard_model(root: nn.Module, model: nn.Module, *, exact: bool, precision: st
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum: the loss is scaled by 1/global targets
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    if on_meta:  # this rank's rows only, one whole parameter at a time
+        materialize(root, device, model)
     return ShardedReduce(root, model, exact, device)
 
 
@@ -138,11 +148,6 @@ class ShardedReduce:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.offsets, total = [], 0
-        for p in self.params:
-            self.offsets.append(total)
-            total += p.shape[0] if p.dim() else 1
-        self.total_rows = total
 
     def rounds(self, local: int) -> int:
         """How many forwards and backwards this rank runs for its `local` micro-batches: the
@@ -171,29 +176,102 @@ class ShardedReduce:
 
     def grad_norm(self) -> float:
         """The global gradient norm, summed in the same order at any world size (docstring)."""
-        squares = torch.zeros(self.total_rows, dtype=torch.float64, device=self.device)
-        with torch.no_grad():
-            for p, offset in zip(self.params, self.offsets, strict=True):
-                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                if local.numel() == 0:
-                    continue
-                start, end = row_range(p.shape[0], self.rank, self.world_size) if p.dim() else (0, 1)
-                rows = local.to(torch.float64).reshape(end - start, -1)
-                squares[offset + start:offset + end] = rows.square().sum(dim=1)
-        if is_distributed():
-            timed_all_reduce(squares)
-        return float(squares.sum().sqrt())
+        return row_norm(self.params, self.rank, self.world_size, self.device)
 
     def clip_(self, max_norm: float) -> float:
         """Scale the gradients to a global norm of at most `max_norm` (0: no clipping), as
-        torch's clip_grad_norm_ does (coefficient max_norm / (norm + 1e-6)); returns the norm."""
-        norm = self.grad_norm()
-        coef = max_norm / (norm + 1e-6) if max_norm > 0 else 1.0
-        if coef < 1.0:
-            with torch.no_grad():
-                for p in self.params:
-                    p.grad.mul_(coef)
-        return norm
+        `clip_rows` does unsharded; returns the norm."""
+        return clip_rows(self.params, max_norm, self.rank, self.world_size, self.device)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step: exact, AdamW computed in float32 on the float64 master
+        (`adamw_step_in_float32`), so that the update is the unsharded one's to the bit."""
+        if self.exact:
+            adamw_step_in_float32(optimizer)
+        else:
+            optimizer.step()
+
+
+def row_norm(params: list[torch.Tensor], rank: int, world_size: int, device: torch.device) -> float:
+    """The gradient norm of `params` in an order that does not depend on W: each rank computes a
+    float64 sum of squares per row of dim 0 of its rows (a row lies whole on one rank), puts it in
+    that row's slot of a vector of every parameter's rows (a parameter without a gradient leaves
+    zeros), the vector is all-reduced (one value per slot: exact) and summed alike on every rank.
+    Unsharded (rank 0 of 1) the same vector, so the same norm to the bit."""
+    total = sum(p.shape[0] if p.dim() else 1 for p in params)
+    squares = torch.zeros(total, dtype=torch.float64, device=device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            rows_of_p = p.shape[0] if p.dim() else 1
+            start, end = 0, rows_of_p  # a whole gradient's rows
+            local = p.grad
+            if isinstance(local, DTensor):  # this rank's rows of it
+                local = local.to_local()
+                start, end = row_range(p.shape[0], rank, world_size) if p.dim() else (0, 1)
+            if local is not None and local.numel():
+                rows = local.to(torch.float64).reshape(end - start, -1)
+                squares[offset + start:offset + end] = rows.square().sum(dim=1)
+            offset += rows_of_p
+    if is_distributed() and world_size > 1:
+        timed_all_reduce(squares)
+    return float(squares.sum().sqrt())
+
+
+def clip_rows(params: list[torch.Tensor], max_norm: float, rank: int, world_size: int,
+              device: torch.device) -> float:
+    """Scale the gradients to a norm (`row_norm`) of at most `max_norm` (0: no clipping), with
+    torch's clip_grad_norm_ coefficient max_norm / (norm + 1e-6) applied in float32 to float32
+    values (a float64 gradient holding them, exact fsdp, is multiplied as float32 and stored back):
+    the same products sharded or not. Returns the norm."""
+    norm = row_norm(params, rank, world_size, device)
+    coef = max_norm / (norm + 1e-6) if max_norm > 0 else 1.0
+    if coef < 1.0:
+        coef32 = torch.tensor(coef, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for p in params:
+                if p.grad is None:
+                    continue
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                if local.dtype == torch.float32:
+                    local.mul_(coef32)
+                else:
+                    local.copy_(local.to(torch.float32).mul_(coef32))
+    return norm
+
+
+@torch.no_grad()
+def adamw_step_in_float32(optimizer: torch.optim.Optimizer) -> None:
+    """torch's AdamW step on float32 copies of float64 shards that hold float32 values (exact
+    fsdp's master, gradient and moments), written back: each element gets the float32 arithmetic
+    of the unsharded model's AdamW, op for op, so the run stays the unsharded one to the bit (a
+    float64 update would round differently: the fsdp and unsharded losses then parted in the 6th
+    digit within a few steps). The moments stay float64 tensors holding float32 values, so the
+    checkpoints load across sharding modes as before."""
+    from torch.optim.adam import adam
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state[p]
+            if not state:  # as torch.optim.Adam._init_group
+                fused_or_capturable = group.get("fused") or group.get("capturable")
+                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device)
+                                 if fused_or_capturable else torch.tensor(0.0, dtype=torch.float32))
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            local = [t.to_local() if isinstance(t, DTensor) else t
+                     for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+            p32, g32, m32, v32 = (t.to(torch.float32) for t in local)
+            adam([p32], [g32], [m32], [v32], [], [state["step"]], foreach=group.get("foreach"),
+                 capturable=bool(group.get("capturable")), differentiable=False,
+                 fused=group.get("fused"), has_complex=False, decoupled_weight_decay=True,
+                 amsgrad=bool(group.get("amsgrad")), beta1=group["betas"][0],
+                 beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"],
+                 eps=group["eps"], maximize=bool(group.get("maximize")))
+            for target, value in zip((local[0], local[2], local[3]), (p32, m32, v32), strict=True):
+                target.copy_(value)
 
 
 def sharded_bytes_per_param(grad_reduce: str, world_size: int) -> float:

@@ -238,6 +238,7 @@ def optimizer_step(
     local_loss: torch.Tensor,
     device: torch.device,
     sharded: ShardedReduce | None = None,
+    exact: bool = False,
 ) -> tuple[float, float, bool]:
     """Clip and step unless any rank saw a non-finite gradient: (loss sum, grad norm, skipped).
 
@@ -247,11 +248,17 @@ def optimizer_step(
     rank's are not; the norm is the global one (`ShardedReduce.grad_norm` all-reduces every
     row's sum of squares, and a NaN or inf anywhere makes the norm non-finite on every rank),
     summed in an order that does not depend on W: every rank sees the same norm, so the same
-    decision."""
+    decision. `exact` (the exact reduction, unsharded): clipped as sharded exact is
+    (`sharding.clip_rows`), so that the two runs stay equal to the bit."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     if sharded is not None:
         norm = sharded.clip_(grad_clip)
+    elif exact:
+        from elastic_train.training.sharding import clip_rows
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm = clip_rows(params, grad_clip, 0, 1, device)
     else:
         norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), grad_clip if grad_clip > 0 else float("inf")
@@ -270,6 +277,8 @@ def optimizer_step(
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
+    elif sharded is not None:
+        sharded.step(optimizer)
     else:
         optimizer.step()
     return loss_sum, norm, False
@@ -320,6 +329,6 @@ def train_step(
     t1 = time.perf_counter()
     loss_sum, grad_norm, skipped = optimizer_step(
         raw_model, optimizer, setup.scaler, setup.grad_clip, local_loss, setup.device,
-        setup.sharded)
+        setup.sharded, exact=setup.exact is not None)
     return StepResult(loss_sum / max(targets, 1.0), grad_norm, skipped, t1 - t0,
                       time.perf_counter() - t1)
