@@ -190,7 +190,8 @@ def what_would_fit(shapes: ModelShapes, cfg: Config, grad_reduce: str, world_siz
     options.append(f"fsdp over {ranks} ranks of {available_bytes / GiB:.1f} GiB each (more "
                    "workers, each with its own memory)" if ranks else
                    "no number of fsdp ranks of this size (the activations or a gathered block "
-                   "alone exceed it)")
+                   "alone exceed it: a smaller data.micro_batch_tokens or "
+                   "model.gradient_checkpointing=true shrinks the activations)")
     if not shapes.lora and shapes.trainable:
         lora = _lora_shapes(shapes)
         plain = rank_need(lora, cfg, grad_reduce, world_size, "none").total

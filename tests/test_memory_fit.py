@@ -1,0 +1,104 @@
+"""A model that cannot fit is refused from its meta shapes (training/memory.py), before any
+parameter is allocated: the figures a rank needs, the refusal's one line, the driver's check of
+the issue's 39B GPT in seconds, and the console's silence about the run's own building worker."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import psutil
+import pytest
+
+from elastic_train.cluster.runwatch import RunWatch
+from elastic_train.config import ConfigError, load_config
+from elastic_train.preflight.inputs import check_model_memory
+from elastic_train.training.memory import (
+    GiB,
+    ModelShapes,
+    ModelTooLargeError,
+    check_fits_memory,
+    min_ranks,
+    model_shapes,
+    rank_need,
+)
+from elastic_train.training.model import build_meta_model
+
+pytestmark = pytest.mark.unit
+
+HUGE = ["model.n_layer=48", "model.d_model=8192", "model.n_head=64", "data.max_seq_len=512"]
+
+
+def test_bytes_per_parameter_by_sharding_reduction_and_world_size():
+    cfg = load_config(None, ["data.micro_batch_tokens=128"])
+    shapes = ModelShapes(trainable=1000, frozen_bytes=0, largest_block=10)
+    assert rank_need(shapes, cfg, "exact", 2, "none").total == 24 * 1000  # 4 + 4 + 8 + 8
+    assert rank_need(shapes, cfg, "ddp", 2, "none").total == 20 * 1000
+    fsdp = rank_need(shapes, cfg, "exact", 4, "fsdp")
+    assert fsdp.total == 32 * 1000 / 4 + 8 * 10  # float64 master, grad, moments; a gathered block
+    lora = ModelShapes(trainable=10, frozen_bytes=2000, largest_block=0, lora=True)
+    assert rank_need(lora, cfg, "exact", 4, "fsdp").weights == 4 * 10 + 2000 / 4
+
+
+def test_activation_estimate_is_stated_and_shrinks_with_checkpointing():
+    meta = build_meta_model(load_config(None, []).model, 256)
+    plain = load_config(None, ["data.micro_batch_tokens=1024"])
+    shapes = model_shapes(meta, plain)
+    assert shapes.n_layer and shapes.width and shapes.vocab
+    acts = rank_need(shapes, plain, "exact", 1).activations
+    assert acts == 68 * 1024 * shapes.width * shapes.n_layer + 8 * 1024 * shapes.vocab
+    ckpt = load_config(None, ["data.micro_batch_tokens=1024", "model.gradient_checkpointing=true"])
+    assert rank_need(shapes, ckpt, "exact", 1).activations < acts
+
+
+def test_a_model_too_large_is_refused_in_one_line_with_what_would_fit():
+    cfg = load_config(None, ["model.n_layer=8", "model.d_model=1024", "model.n_head=8",
+                             "data.max_seq_len=256", "data.micro_batch_tokens=256"])
+    shapes = model_shapes(build_meta_model(cfg.model, 256), cfg)
+    need = rank_need(shapes, cfg, "exact", 2).total
+    check_fits_memory(shapes, cfg, "exact", 2, need, "enough")  # fits exactly: no error
+    with pytest.raises(ModelTooLargeError) as info:
+        check_fits_memory(shapes, cfg, "exact", 2, need / 3, "a third")
+    text = str(info.value)
+    assert "\n" not in text
+    assert f"needs {need / GiB:.1f} GiB" in text and "a third" in text
+    ranks = min_ranks(shapes, cfg, "exact", need / 3)
+    assert ranks is not None and f"fsdp over {ranks} ranks" in text
+    assert rank_need(shapes, cfg, "exact", ranks, "fsdp").total <= need / 3
+    assert rank_need(shapes, cfg, "exact", ranks - 1, "fsdp").total > need / 3
+    assert "train.sharding=fsdp" in text and "model.lora.r=8" in text
+
+
+def test_the_driver_refuses_the_39b_gpt_from_its_meta_shapes_in_seconds():
+    """The issue's case: 2 CPU workers, unsharded; nothing is allocated (the process stays far
+    below the model's bytes) and the check takes seconds."""
+    cfg = load_config(None, HUGE)
+    before = psutil.Process().memory_info().rss
+    started = time.monotonic()
+    meta = build_meta_model(cfg.model, cfg.data.max_seq_len)
+    with pytest.raises(ConfigError, match=r"38\.66B parameters does not fit: each of 2 rank\(s\) "
+                                          r"needs \d+\.\d GiB .* but a rank has \d+\.\d GiB "
+                                          r"\(95% of this host's"):
+        check_model_memory(cfg, meta, None)
+    assert time.monotonic() - started < 30
+    assert psutil.Process().memory_info().rss - before < GiB
+
+
+def test_a_model_that_fits_passes_the_drivers_check():
+    cfg = load_config(None, ["data.max_seq_len=128"])
+    check_model_memory(cfg, build_meta_model(cfg.model, 128), None)
+
+
+def test_no_waiting_line_while_the_runs_own_worker_builds():
+    """While no attempt has begun but a worker of the run has started (it builds its model), the
+    console prints no "waiting for workers" line: the resources it holds are the run's own."""
+    now = [1000.0]
+    out = io.StringIO()
+    cfg = load_config(None, ["scaling.start_timeout_s=600"])
+    watch = RunWatch(cfg, None, abort=lambda: None, describe_wait=lambda: "0 CPU free",
+                     stream=out, clock=lambda: now[0])
+    now[0] += 100
+    watch._watch_start([], now[0], worker_started=now[0] - 90)
+    assert "waiting for workers" not in out.getvalue()
+    watch._watch_start([], now[0], worker_started=None)
+    assert "waiting for workers" in out.getvalue()
