@@ -102,3 +102,14 @@ def test_no_waiting_line_while_the_runs_own_worker_builds():
     assert "waiting for workers" not in out.getvalue()
     watch._watch_start([], now[0], worker_started=None)
     assert "waiting for workers" in out.getvalue()
+
+
+def test_the_summary_keeps_the_largest_build_peak_of_any_rank():
+    from elastic_train.observe.summary import read_figures
+    from elastic_train.training.memory import peak_rss_bytes
+
+    events = [{"event": "start", "world_size": 2, "utilisation": 1.0, "rank": r,
+               "build_peak_rss_bytes": b} for r, b in ((0, 5 * GiB), (1, 7 * GiB))]
+    assert read_figures(events, 10)["build_peak_rss_bytes"] == 7 * GiB
+    assert read_figures([], 10)["build_peak_rss_bytes"] is None
+    assert peak_rss_bytes() >= psutil.Process().memory_info().rss

@@ -231,7 +231,11 @@ def read_figures(events: list[dict], rows_trained: int) -> dict:
     balance = [e["partition_balance"] for e in events if e.get("event") == "epoch_plan"]
     utilisation = {e["world_size"]: e["utilisation"] for e in events
                    if e.get("event") == "start" and "utilisation" in e}
+    build_peaks = [e["build_peak_rss_bytes"] for e in events
+                   if e.get("event") == "start" and e.get("build_peak_rss_bytes")]
     return {
+        # the largest peak resident bytes of any rank right after building its model (VmHWM)
+        "build_peak_rss_bytes": max(build_peaks) if build_peaks else None,
         "partition_balance": max(balance) if balance else None,
         "utilisation_by_world_size": {str(w): u for w, u in sorted(utilisation.items())},
         "read_amplification": rows_read / rows_trained if rows_trained else None,

@@ -231,7 +231,7 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
                                             count_parameters(t.raw_model))
     env.log_event({"event": "start", "attempt": attempt, "world_size": env.world_size,
                    "resumed_step": t.state.step, "rank": env.world_rank, "recovery": "in_place",
-                   "joining": env.joining})
+                   "joining": env.joining, "build_peak_rss_bytes": t.build_peak_bytes})
     evaluating = env.eval_table is not None
     best = None  # the best-checkpoint writer, made by the first replica that logs an evaluation
     committed_here = 0  # steps this process committed

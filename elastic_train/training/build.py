@@ -40,6 +40,7 @@ from elastic_train.training.memory import (
     device_bytes,
     host_bytes_per_rank,
     model_shapes,
+    peak_rss_bytes,
 )
 from elastic_train.training.model import (
     ModelFn,
@@ -84,6 +85,7 @@ class Training:
     cursors: dict[int, tuple[int, int]] = field(default_factory=dict)  # this rank's, after the last step
     powersgd: PowerSGDState | None = None  # train.grad_compression=powersgd in DDP: this rank's state
     compiled: CompileWatch | None = None  # train.compile: counts and saves the compiled graphs
+    build_peak_bytes: int | None = None  # this process's peak resident bytes once built and sharded
 
 
 def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
@@ -112,6 +114,7 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
         model, sharded = loss_module, _shard(loss_module, raw_model, cfg, env.device, exact)
     else:
         model = env.prepare_model(loss_module, None if exact else ddp_kwargs(cfg.train))
+    build_peak_bytes = peak_rss_bytes()  # VmHWM: what building and sharding took at most
     powersgd = register_comm_hook(model, cfg.train)
     if env.world_rank == 0:
         compression = cfg.train.grad_compression if isinstance(model, DistributedDataParallel) else "none"
@@ -145,7 +148,7 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
         extra_columns=env.extra_columns, sharded=sharded, pad_multiple=cfg.data.pad_multiple or 1,
         max_width=cfg.data.max_seq_len)
     return Training(model, raw_model, loss_module, optimizer, setup, state, powersgd=powersgd,
-                    compiled=compiled)
+                    compiled=compiled, build_peak_bytes=build_peak_bytes)
 
 
 def _shard(loss_module: LossModule, raw_model: torch.nn.Module, cfg: Config, device: torch.device,

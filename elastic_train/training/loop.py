@@ -129,7 +129,8 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     best = env.best_writer() if evaluating and cfg.checkpoint.keep_best and writes_best else None
     env.log_event({"event": "start", "attempt": attempt, "world_size": world_size,
                    "resumed_step": state.step, "rank": rank,
-                   "utilisation": utilisation(num_partitions(cfg), world_size)})
+                   "utilisation": utilisation(num_partitions(cfg), world_size),
+                   "build_peak_rss_bytes": t.build_peak_bytes})
     previous: tuple[float, float] | None = None  # this rank's (busy, data wait) of its last step
     tail_s = 0.0  # the last step's time after its record (the record's call, fault hooks)
     profiler = StepProfiler(cfg.log.profile_steps if rank == 0 else [], env.device)

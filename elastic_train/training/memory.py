@@ -225,6 +225,18 @@ def min_ranks(shapes: ModelShapes, cfg: Config, grad_reduce: str,
     return ranks
 
 
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident bytes so far (Linux VmHWM), None where /proc has none."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def device_bytes(device: torch.device) -> int:
     """A GPU's memory."""
     return torch.cuda.get_device_properties(device).total_memory
