@@ -31,9 +31,14 @@ COMMON=(scaling.use_gpu=true scaling.min_workers=1 scaling.max_workers=1 "run.st
 .venv/bin/elastic-train train "${COMMON[@]}" run.name=bf16 train.precision=bf16
 .venv/bin/elastic-train train "${COMMON[@]}" run.name=crash train.precision=bf16 fault.crash_at_step=15
 .venv/bin/elastic-train train "${COMMON[@]}" run.name=crash8 optim.name=adamw8bit fault.crash_at_step=15
+HUGE_START=$(date +%s)
 if .venv/bin/elastic-train train "${COMMON[@]}" run.name=huge model.n_layer=48 model.d_model=8192 \
     model.n_head=64 train.max_steps=2 2>&1 | tee "$STORE/huge.log"; then echo "huge model was not refused"; exit 1; fi
-grep -q "GiB" "$STORE/huge.log"
+HUGE_S=$(( $(date +%s) - HUGE_START ))
+# refused from its meta shapes before anything is allocated (training/memory.py): one line, in seconds
+grep -q "^error: .*does not fit: .*GiB.*what would fit" "$STORE/huge.log"
+[ "$(grep -c '^error:' "$STORE/huge.log")" = 1 ] || { echo "more than one error line"; exit 1; }
+[ "$HUGE_S" -lt 60 ] || { echo "huge model refused after ${HUGE_S} s, not within 60"; exit 1; }
 $PY - "$STORE" <<'PY'
 import json, sys, pathlib
 for run in ("fp16", "bf16", "crash", "crash8"):
