@@ -41,6 +41,7 @@ from elastic_train.training.memory import (
     host_bytes_per_rank,
     model_shapes,
     peak_rss_bytes,
+    return_large_frees_to_os,
 )
 from elastic_train.training.model import (
     ModelFn,
@@ -102,6 +103,8 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     set_deterministic(cfg.train.deterministic, env.device)
     meta = build_meta_model(cfg.model, cfg.data.max_seq_len, model_fn)
     check_fits_rank(meta, cfg, env, choice.chosen)  # before a byte of the model is allocated
+    if cfg.train.sharding == "fsdp" and env.device.type == "cpu":
+        return_large_frees_to_os()  # the step's block-sized buffers go back to the OS (memory.py)
     if cfg.train.sharding == "fsdp" and can_materialize(meta):
         raw_model = meta  # sharded on meta, then each rank creates its own rows (sharding.py)
     else:

@@ -225,6 +225,31 @@ def min_ranks(shapes: ModelShapes, cfg: Config, grad_reduce: str,
     return ranks
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def return_large_frees_to_os() -> bool:
+    """glibc: allocations of 1 MiB and more are mmapped, so freeing one returns it to the OS.
+
+    fsdp on CPU allocates and frees buffers of a block's size many times a step (each gathered
+    block, its float64 reduce-scatter buffers, gloo's copies); glibc's default keeps freed heap
+    memory for reuse, and its dynamic mmap threshold rises past those sizes, so the process's
+    resident memory grew step after step: the 28M GPT's fsdp ranks peaked at 2.28 / 2.52 GiB with
+    the default, 1.43 / 1.43 GiB with this threshold (docs/sharding.md). False where there is no
+    glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
 def peak_rss_bytes() -> int | None:
     """This process's peak resident bytes so far (Linux VmHWM), None where /proc has none."""
     try:
