@@ -113,3 +113,12 @@ def test_the_summary_keeps_the_largest_build_peak_of_any_rank():
     assert read_figures(events, 10)["build_peak_rss_bytes"] == 7 * GiB
     assert read_figures([], 10)["build_peak_rss_bytes"] is None
     assert peak_rss_bytes() >= psutil.Process().memory_info().rss
+
+
+def test_fsdp_ranks_on_cpu_return_large_frees_to_the_os():
+    """glibc accepts the 1 MiB mmap threshold (docs/sharding.md: what it saved)."""
+    import ctypes.util
+
+    from elastic_train.training.memory import return_large_frees_to_os
+
+    assert return_large_frees_to_os() is (ctypes.util.find_library("c") is not None)
