@@ -46,7 +46,7 @@ for run in ("fp16", "bf16", "crash", "crash8"):
     print(run, {k: s[k] for k in ("status", "steps", "first_loss", "final_loss", "restarts", "skipped_steps",
                                   "grad_reduce", "grad_reduce_reason")})
     assert (s["grad_reduce"], s["grad_reduce_reason"]) in (
-        ("ddp", "auto: GPU workers"), ("ddp", "auto: kept from the run's checkpoint (chosen at its first start)")), s
+        ("exact", "auto: GPU workers"), ("exact", "auto: kept from the run's checkpoint (chosen at its first start)")), s
 PY
 PEAK=${PEAK_FLOPS:-989e12}
 .venv/bin/elastic-train train "${COMMON[@]}" run.name=gpt100m train.precision=bf16 train.max_steps=60 \

@@ -230,4 +230,4 @@ def test_a_fault_schedule_is_read_from_the_command_line_and_drawn_from_a_seed():
     assert drawn == draw_fault_schedule(3, 44, ("crash", "kill", "stop"), world_size=2)
     steps = [step for step, _, _ in fault_schedule(drawn)]
     assert len(steps) == 3 and 4 < steps[0] and steps[-1] <= 40
-    assert all(b - a >= 8 for a, b in zip(steps, steps[1:]))
+    assert all(b - a >= 8 for a, b in zip(steps, steps[1:], strict=False))

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.unit
 
 @pytest.mark.parametrize("overrides, use_gpu, saved, chosen, why", [
     ([], False, None, "exact", "auto: CPU workers"),
-    ([], True, None, "ddp", "auto: GPU workers"),
+    ([], True, None, "exact", "auto: GPU workers"),
+    (["train.grad_compression=bf16"], True, None, "ddp", "auto: train.grad_compression=bf16 needs ddp"),
     (["train.deterministic=true"], True, None, "exact", "auto: train.deterministic=true"),
     ([], False, "ddp", "ddp", "kept from the run's checkpoint"),  # a GPU run resumed on CPUs
     ([], True, "exact", "exact", "kept from the run's checkpoint"),

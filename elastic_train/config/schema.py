@@ -149,7 +149,8 @@ class TrainConfig:
     # exact: sum micro-batch gradients and all-reduce them in float64, so a step's gradient is the
     # same to the bit at any world size (8 bytes/param more memory, twice the all-reduce bytes);
     # ddp: torch DDP (fp32, overlaps the last backward), curves differ by fp32 round-off across sizes;
-    # auto: ddp on GPU workers, exact on CPU workers and with `deterministic`. Chosen once, at the
+    # auto: exact (ddp with a grad_compression: it needs DDP's hooks; exact cost 2-3% of a step on
+    # an H200, docs/performance.md). Chosen once, at the
     # run's first start, and kept in its checkpoints (see `choose_grad_reduce`)
     grad_reduce: str = "auto"
     # torch.use_deterministic_algorithms (and CUBLAS_WORKSPACE_CONFIG on GPU): the same result on
