@@ -290,9 +290,6 @@ CASES = [
     Case("compression with deterministic", train("train.grad_compression=bf16",
                                                  "train.deterministic=true"),
          "(auto: train.deterministic=true)"),
-    # auto resolves to exact on CPU workers: refused by the driver (init_ray is a tripwire here)
-    Case("compression with auto on CPU", train("train.grad_compression=powersgd"),
-         "(auto: CPU workers)"),
     Case("train.powersgd_rank=0", train("train.powersgd_rank=0"), "train.powersgd_rank"),
     Case("train.powersgd_warmup_steps=1", train("train.powersgd_warmup_steps=1"),
          "train.powersgd_warmup_steps"),

@@ -319,7 +319,7 @@ def test_a_cursor_off_the_plan_is_refused_naming_the_checkpoint_and_partition(da
     stale = {**good, 3: tuple(after[9][3])}
     edited = {**good, 5: (good[5][0], good[5][1] + 1)}
     for bad, partition in ((stale, 3), (edited, 5)):
-        with pytest.raises(DataError, match=f"checkpoint_000000020: data partition {partition} is at .* not at"):
+        with pytest.raises(DataError, match=f"checkpoint_000000020: data partition {partition} is at .* not"):
             check_cursors(BlockReader(table), spec(), partitions=list(range(K)), epoch=0,
                           step_in_epoch=20, cursors=bad, shown="checkpoint_000000020")
     # each rank checks only its own partitions: rank 0 of 2 does not see partition 3 or 5

@@ -41,8 +41,10 @@ def test_the_choice_is_kept_in_the_checkpoints_state(tmp_path):
     assert TrainState(**saved["train_state"]) == state
     # the driver reads it so: auto on CPU workers may compress a run that chose ddp on GPUs
     check_reduce(load_config(None, ["train.grad_compression=fp16"]), saved)
-    with pytest.raises(ConfigError, match=r"reduces exactly \(auto: CPU workers\)"):
-        check_reduce(load_config(None, ["train.grad_compression=fp16"]), None)
+    check_reduce(load_config(None, ["train.grad_compression=fp16"]), None)  # auto: ddp for it
+    exact = {**saved, "train_state": {**saved["train_state"], "grad_reduce": "exact"}}
+    with pytest.raises(ConfigError, match=r"reduces exactly \(auto: kept from the run's checkpoint"):
+        check_reduce(load_config(None, ["train.grad_compression=fp16"]), exact)
 
 
 def test_memory_per_parameter_counts_the_resolved_reduction_and_powersgd():
