@@ -146,3 +146,6 @@ def test_a_seeded_schedule_of_mixed_faults(cluster, small_dataset, base_llama, b
     check_against_uninterrupted(result, reference)
     if case != "in_place":  # in place, a replacement heals from its peer: no restart, no replay
         check_ledger(result, schedule, stops)
+    else:  # each fault found its rank among the replicas taking part
+        fired = [e for e in read_events(result) if e["event"] == "crash_injected"]
+        assert [f"{e['step']}:{e['kind']}:{e['participating_rank']}" for e in fired] == schedule

@@ -29,6 +29,7 @@ class FaultHooks:
     checkpoint bookkeeping)."""
 
     driver: tuple[str, int] | None = None  # the driver's (node id, pid): fault.schedule's stop
+    participating_rank: int | None = None  # in place: this replica's rank among those training
 
     def inject_faults(self, step: int) -> None:
         """The test hooks that act at the end of a step: a crash, a hang, a slow rank."""
@@ -49,8 +50,10 @@ class FaultHooks:
         if hang and ray.get(self.runlog.claim_fault.remote(f"hang@{step}")):
             ray.get(self.log_event({"event": "hang_injected", "step": step}))
             threading.Event().wait()  # a live process that never finishes its step
+        # in place a lost rank's steps go on without it: a fault aims at the rank taking part
+        me = self.participating_rank if self.participating_rank is not None else self.world_rank
         for at, kind, rank in fault_schedule(f.schedule):
-            if at == step and rank == self.world_rank \
+            if at == step and rank == me \
                     and ray.get(self.runlog.claim_fault.remote(f"{kind}@{step}")):
                 self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False,
                                                kind=kind)
@@ -129,6 +132,7 @@ class FaultHooks:
             committed = raycompat.committed_step(fs, run_path)
         waited_s = time.monotonic() - t0
         record = {"event": "crash_injected", "kind": kind, "step": step, "rank": self.world_rank,
+                  "participating_rank": self.participating_rank,
                   "in_checkpoint": in_checkpoint, "saved_step": saved_step,
                   "committed_step": committed, "commit_wait_s": round(waited_s, 3)}
         if saved_step > 0 and (committed is None or committed < saved_step):

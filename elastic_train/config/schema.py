@@ -245,7 +245,8 @@ class FaultConfig:
     # this step until a joining node asks for a checkpoint, takes it after the next step, then
     # holds a step later until Ray replaces the group at its new size
     hold_for_resize_at_step: int | None = None
-    # test hook: faults in series, "STEP:KIND[:RANK]" (rank 0 by default), each once per run, at
+    # test hook: faults in series, "STEP:KIND[:RANK]" (rank 0 by default; in place, the rank among
+    # the replicas taking part, so that a fault finds a live process), each once per run, at
     # the end of STEP once the checkpoint saved last is committed (each recovery then resumes
     # from a checkpoint written after the one before). KIND: crash (the rank's process exits),
     # kill (another process SIGKILLs it), stop (it SIGTERMs a driver on its machine, which stops

@@ -251,6 +251,7 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
                     break
                 continue
             n, prank = manager.num_participants(), manager.participating_rank()
+            env.participating_rank = prank
             if (manager._quorum_id, n) != seen:  # torchft 0.2.0 keeps the quorum id private
                 seen = (manager._quorum_id, n)
                 env.log_event({"event": "quorum", "step": t.state.step + 1, "participants": n,
