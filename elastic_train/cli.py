@@ -106,11 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="folder for the shards (must hold none yet)")
     p.add_argument("--max-seq-len", type=int, default=512, help="longest row, in tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the row shuffle")
-    p.add_argument("--eval-fraction", type=float, default=0.0,
+    p.add_argument("--eval-fraction", type=float, default=0.03,
                    help="share of documents held out, all their rows, into OUTPUT/eval/ (a data "
-                        "set of its own), which eval.fraction > 0 evaluates on (default 0)")
-    p.add_argument("--rows-per-block", type=int, default=128,
-                   help="rows per Parquet row group, the unit a training rank reads alone")
+                        "set of its own), which eval.fraction > 0 evaluates on (default 0.03; "
+                        "0: none)")
+    p.add_argument("--rows-per-block", type=int, default=None,
+                   help="rows per Parquet row group, the unit a training rank reads alone "
+                        "(default: 128, fewer for a small data set so it has 64 row groups)")
     p.add_argument("--tokenizer", default=None,
                    help="a tokenizer.json, or a folder a transformers tokenizer loads "
                         "(default: UTF-8 bytes)")

@@ -89,7 +89,7 @@ from elastic_train.data.pieces import (
     tokenize_pieces,
 )
 from elastic_train.data.prepare import (
-    ROWS_PER_BLOCK,
+    auto_rows_per_block,
     _check_arguments,
     _check_output_free,
     folder_stats,
@@ -404,7 +404,7 @@ def prepare_ray(
     *,
     max_seq_len: int = 256,
     rows_per_shard: int = 20000,
-    rows_per_block: int = ROWS_PER_BLOCK,
+    rows_per_block: int | None = None,
     seed: int = 0,
     tokenizer: Tokenizer | PathLike | None = None,
     text_field: str = "text",
@@ -441,6 +441,7 @@ def prepare_ray(
         if rows.sum() == 0:
             raise ValueError(no_text)
         warn_skipped(skipped)
+        rows_per_block = rows_per_block or auto_rows_per_block(int(rows.sum()))
         held = held_documents(sum(len(counts) for counts in doc_rows), eval_fraction, seed)
         token_type = token_type_for(max(int(tokenizer.vocab_size) - 1, int(top.max())))
         _create_output(fs, root, str(output), tokenizer, bool(held.any()))
@@ -449,7 +450,7 @@ def prepare_ray(
             rows_per_shard=rows_per_shard, rows_per_block=rows_per_block, target=target,
             names=[str(file) for file in files], token_type=token_type, with_mask=masked)
     common = {"max_seq_len": max_seq_len, "source_files": len(files), "skipped": len(skipped),
-              "tokenizer": tokenizer, "token_type": token_type,
+              "tokenizer": tokenizer, "token_type": token_type, "rows_per_block": rows_per_block,
               "sft": sft.record() if sft.examples else None}
     train_shards = -(-train_rows // rows_per_shard)
     stats = {**folder_stats(_side_counts(written[:train_shards]), **common), "engine": "ray"}

@@ -64,6 +64,10 @@ from elastic_train.data.tokenizer import Tokenizer, load_tokenizer
 # Rows per Parquet row group: the unit a training rank reads alone (blocks.py). Small enough that
 # every data partition gets many, large enough that a footer stays small.
 ROWS_PER_BLOCK = 128
+# Without --rows-per-block a data set gets at least this many row groups when it has the rows
+# (`auto_rows_per_block`): a run deals at least 2 blocks to each of its data partitions
+# (blocks.check_blocks), and the default config has 8, so a small corpus still trains as it is.
+TARGET_BLOCKS = 64
 DEFAULT_CORPUS_BYTES = 4_000_000
 # Part of the default corpus's cache folder name: bump it whenever the files chosen, the way
 # they are cut or what `_prepare.json` records changes, so that a corpus cached by an older
@@ -81,6 +85,12 @@ STDLIB_EXCLUDED_DIRS = frozenset({
     "__phello__", "venv",
 })
 logger = logging.getLogger("elastic_train.prepare")
+
+
+def auto_rows_per_block(rows: int) -> int:
+    """Rows per row group for a data set of `rows` rows when none is asked for: ROWS_PER_BLOCK,
+    fewer when that would leave under TARGET_BLOCKS row groups (down to 1 row a group)."""
+    return max(1, min(ROWS_PER_BLOCK, rows // TARGET_BLOCKS))
 
 
 def _shard_table(first_id: int, spans: np.ndarray, values: np.ndarray, names: list[str],
@@ -126,12 +136,13 @@ def _write_folder(folder: Path, spans: np.ndarray, values: np.ndarray, *, first_
 
 
 def folder_stats(counts: dict, *, max_seq_len: int, source_files: int, skipped: int,
-                 tokenizer: Tokenizer, token_type: np.dtype, sft: dict | None = None) -> dict:
+                 tokenizer: Tokenizer, token_type: np.dtype, rows_per_block: int,
+                 sft: dict | None = None) -> dict:
     """The `_prepare.json` of one prepared folder (both engines write it); `sft`: the
     fine-tuning examples' counts, when there were any."""
     stats = {**counts, "max_seq_len": max_seq_len, "source_files": source_files,
              "skipped_binary_files": skipped, "tokenizer": _tokenizer_record(tokenizer),
-             "token_type": token_type.name}
+             "token_type": token_type.name, "rows_per_block": rows_per_block}
     return {**stats, "sft": sft} if sft else stats
 
 
@@ -147,7 +158,7 @@ def prepare(
     *,
     max_seq_len: int = 256,
     rows_per_shard: int = 20000,
-    rows_per_block: int = ROWS_PER_BLOCK,
+    rows_per_block: int | None = None,
     seed: int = 0,
     tokenizer: Tokenizer | PathLike | None = None,
     text_field: str = "text",
@@ -157,7 +168,8 @@ def prepare(
 ) -> dict:
     """Turn text files, JSONL and Parquet files, or folders of them, into shuffled Parquet
     shards of tokens (a folder of Parquet that is tokenized already, with id/tokens/length and
-    no text column, is only re-chunked into `rows_per_block`-row groups: `rechunk.py`): UTF-8
+    no text column, is only re-chunked into `rows_per_block`-row groups: `rechunk.py`; None:
+    `auto_rows_per_block` of the rows, the same for the held-out set): UTF-8
     bytes, or `tokenizer`'s (a Tokenizer, or a path `load_tokenizer`
     loads) with its EOS after each document. `text_field` names the text of JSONL/Parquet;
     records holding `prompt_field` and `response_field`, or `messages`, are fine-tuning
@@ -190,6 +202,7 @@ def prepare(
     if len(spans) == 0:
         raise ValueError(no_text_message(inputs, skipped))
     warn_skipped(skipped)
+    rows_per_block = rows_per_block or auto_rows_per_block(len(spans))
     held = held_documents(int(spans[-1, 4]) + 1, eval_fraction, seed)
     ids, train_rows = row_ids(held[spans[:, 4]], seed)
     order = np.empty_like(ids)
@@ -202,7 +215,7 @@ def prepare(
     except OSError as exc:
         raise ValueError(f"output '{out}' cannot be created: {exc.strerror or exc}") from None
     common = {"max_seq_len": max_seq_len, "source_files": len(files), "skipped": len(skipped),
-              "tokenizer": tokenizer, "token_type": token_type,
+              "tokenizer": tokenizer, "token_type": token_type, "rows_per_block": rows_per_block,
               "sft": sft.record() if sft.examples else None}
     write = {"names": [str(file) for file in files], "token_type": token_type,
              "rows_per_shard": rows_per_shard, "rows_per_block": rows_per_block, "mask": mask}
@@ -223,10 +236,10 @@ def prepare(
     return stats
 
 
-def _check_arguments(max_seq_len: int, rows_per_shard: int, rows_per_block: int, seed: int,
+def _check_arguments(max_seq_len: int, rows_per_shard: int, rows_per_block: int | None, seed: int,
                      eval_fraction: float) -> None:
     """ValueError naming the argument that cannot be used (both engines check these)."""
-    if rows_per_block < 1:
+    if rows_per_block is not None and rows_per_block < 1:
         raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
     if max_seq_len < 1 or rows_per_shard < 1:
         raise ValueError(f"max_seq_len ({max_seq_len}) and rows_per_shard ({rows_per_shard}) "

@@ -31,9 +31,13 @@ def is_token_dataset(inputs, text_field: str) -> bool:
     return {"id", "tokens", "length"} <= set(names) and text_field not in names
 
 
-def rechunk(source: str | Path, output: str | Path, rows_per_block: int) -> dict:
-    """Write `source`'s shards again with row groups of `rows_per_block` rows; the stats."""
+def rechunk(source: str | Path, output: str | Path, rows_per_block: int | None) -> dict:
+    """Write `source`'s shards again with row groups of `rows_per_block` rows (None:
+    `prepare.auto_rows_per_block` of the training rows, the held-out set alike); the stats."""
+    from elastic_train.data.prepare import auto_rows_per_block
+
     info = inspect_dataset(str(source))
+    rows_per_block = rows_per_block or auto_rows_per_block(info.rows)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     tokens = 0
