@@ -30,7 +30,9 @@ def _train(args: argparse.Namespace) -> int:
     if result.note:  # nothing was trained: train() said why
         return 0
     s = result.summary
-    print(f"finished: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
+    ended = {"train.max_steps": f" (train.max_steps={cfg.train.max_steps} reached)",
+             "train.epochs": f" (train.epochs={cfg.train.epochs} done)"}.get(s.get("ended_by"), "")
+    print(f"finished: {s['steps']} steps{ended}, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
           f"padding efficiency {s['padding_efficiency']:.3f}, {s['tokens_per_s']:.0f} tokens/s, "
           f"restarts {s['restarts']}, {s.get('precision')} on {s.get('device')} with micro-batches of "
           f"{s.get('micro_batch_tokens')} tokens, run folder {result.run_dir}")

@@ -89,11 +89,11 @@ from elastic_train.data.pieces import (
     tokenize_pieces,
 )
 from elastic_train.data.prepare import (
-    auto_rows_per_block,
     _check_arguments,
     _check_output_free,
     folder_stats,
 )
+from elastic_train.data.rowgroups import auto_rows_per_block
 from elastic_train.data.sft import RecordFields, SftCounts
 from elastic_train.data.sources import (
     PathLike,

@@ -51,6 +51,7 @@ from elastic_train.data.heldout import (
     row_ids,
     split_record,
 )
+from elastic_train.data.rowgroups import auto_rows_per_block
 from elastic_train.data.sft import RecordFields
 from elastic_train.data.sources import (
     PathLike,
@@ -61,13 +62,6 @@ from elastic_train.data.sources import (
 )
 from elastic_train.data.tokenizer import Tokenizer, load_tokenizer
 
-# Rows per Parquet row group: the unit a training rank reads alone (blocks.py). Small enough that
-# every data partition gets many, large enough that a footer stays small.
-ROWS_PER_BLOCK = 128
-# Without --rows-per-block a data set gets at least this many row groups when it has the rows
-# (`auto_rows_per_block`): a run deals at least 2 blocks to each of its data partitions
-# (blocks.check_blocks), and the default config has 8, so a small corpus still trains as it is.
-TARGET_BLOCKS = 64
 DEFAULT_CORPUS_BYTES = 4_000_000
 # Part of the default corpus's cache folder name: bump it whenever the files chosen, the way
 # they are cut or what `_prepare.json` records changes, so that a corpus cached by an older
@@ -85,12 +79,6 @@ STDLIB_EXCLUDED_DIRS = frozenset({
     "__phello__", "venv",
 })
 logger = logging.getLogger("elastic_train.prepare")
-
-
-def auto_rows_per_block(rows: int) -> int:
-    """Rows per row group for a data set of `rows` rows when none is asked for: ROWS_PER_BLOCK,
-    fewer when that would leave under TARGET_BLOCKS row groups (down to 1 row a group)."""
-    return max(1, min(ROWS_PER_BLOCK, rows // TARGET_BLOCKS))
 
 
 def _shard_table(first_id: int, spans: np.ndarray, values: np.ndarray, names: list[str],

@@ -58,6 +58,11 @@ class Progress:
         self._thread: threading.Thread | None = None
         self._latest_eval: dict[str, Any] | None = None
 
+    def set_total(self, total_steps: int) -> None:
+        """The steps the run will train (data/horizon.py: epochs and train.max_steps counted),
+        when known before it starts; the count shown and the ETA go to it."""
+        self.max_steps = total_steps
+
     def start(self, runlog, poll: Callable[[], dict[str, Any]]) -> None:
         """Call `poll()` (the RunLog's `progress()`: cluster/runlog.py's `poll_progress`) every
         interval_s."""

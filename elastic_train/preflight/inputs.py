@@ -16,6 +16,8 @@ import torch
 from elastic_train.config import Config, ConfigError, choose_grad_reduce, num_partitions, validate
 from elastic_train.data.blocks import check_blocks
 from elastic_train.data.dataset import DatasetInfo, dataset_blocks, extra_columns, inspect_dataset
+from elastic_train.data.horizon import Horizon, plan_horizon
+from elastic_train.data.plan import StreamSpec
 from elastic_train.data.prepare import default_corpus_dir
 from elastic_train.data.rowgroups import BlockTable, hold_out
 from elastic_train.preflight.checks import (
@@ -138,6 +140,14 @@ def _held_out(cfg: Config, info: DatasetInfo, table: BlockTable, warn: bool) -> 
             cfg.eval.fraction)
     train, held = hold_out(table, cfg.eval.fraction)
     return DataTables(train, held, None)
+
+
+def run_horizon(cfg: Config, info: DatasetInfo) -> Horizon:
+    """The steps the run trains from step 0 and the limit that ends it (data/horizon.py), from
+    the training blocks it will read."""
+    spec = StreamSpec(num_partitions(cfg), cfg.data.micro_batch_tokens, cfg.data.shuffle_window,
+                      cfg.data.seed, cfg.data.bucketing)
+    return plan_horizon(data_tables(cfg, info).train, spec, cfg.train.max_steps, cfg.train.epochs)
 
 
 def fill_max_seq_len(cfg: Config, info: DatasetInfo) -> None:
