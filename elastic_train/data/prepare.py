@@ -188,7 +188,7 @@ def prepare(
     fields = RecordFields(text=text_field, prompt=prompt_field, response=response_field)
     values, spans, mask, sft = gather_rows(files, tokenizer, max_seq_len, fields)
     if len(spans) == 0:
-        raise ValueError(no_text_message(inputs, skipped))
+        raise ValueError(no_text_message(inputs, skipped, sft, max_seq_len))
     warn_skipped(skipped)
     rows_per_block = rows_per_block or auto_rows_per_block(len(spans))
     held = held_documents(int(spans[-1, 4]) + 1, eval_fraction, seed)
