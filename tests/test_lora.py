@@ -155,3 +155,24 @@ def test_qlora_loads_a_4bit_base_on_a_gpu_and_is_refused_by_name_without_one(wei
     assert model.peft.get_base_model().is_loaded_in_4bit
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     assert bytes(getattr(model, BASE_KEY).tolist()) == files_hash(weight_files(folder))
+
+
+def test_lora_on_the_embedded_gpt_trains_its_linear_targets():
+    """LoRA on a model that is not a transformers one (the embedded GPT, targets qkv and proj):
+    the model is called with the tokens as the loop calls it (not input_ids=), only adapters
+    get gradients, and they are what the state dict holds."""
+    import torch.nn.functional as F
+
+    cfg = load_config(None, ["model.lora.r=2", "model.lora.target_modules=[qkv, proj]",
+                             "model.vocab_size=256"])
+    model = build_model(cfg.model, 32)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    assert tuple(logits.shape) == (2, 16, 256)
+    F.cross_entropy(logits[:, :-1].reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)
+    assert any(n.endswith("qkv.lora_B.default.weight") for n in grads)
+    assert any(n.endswith("proj.lora_B.default.weight") for n in grads)
+    assert set(model.state_dict()) == {n for n, p in model.named_parameters()
+                                       if p.requires_grad} | {BASE_KEY}
