@@ -391,6 +391,22 @@ CASES = [
          "already contains Parquet files"),
     Case("prepare jsonl not json", prepare_case(lambda tmp: [
         *files(tmp, a_jsonl=b'{"text": oops}\n'), "--output", str(tmp / "out")]), "a.jsonl"),
+    Case("prepare null prompt", prepare_case(lambda tmp: [
+        *files(tmp, a_jsonl=b'{"prompt": "Q", "response": "A"}\n{"prompt": null, "response": "B"}\n'),
+        "--output", str(tmp / "out"), "--engine", "local"]), "line 2: field 'prompt' is null"),
+    Case("prepare every example dropped", prepare_case(lambda tmp: [
+        *files(tmp, a_jsonl=b'{"prompt": "Q", "response": ""}\n'), "--output", str(tmp / "out"),
+        "--engine", "local"]), "every one of the 1 fine-tuning example(s) was dropped"),
+    # compile's keys, checked on the meta model and the driver's file system
+    Case("compile_modules no such class", train("train.compile=true",
+                                                "train.compile_modules=[NoSuchBlock]"),
+         "train.compile_modules: no module of class NoSuchBlock"),
+    Case("compile_cache_dir is a file", with_file("cache", b"x", "train.compile=true",
+                                                  "train.compile_cache_dir={f}"),
+         "train.compile_cache_dir"),
+    Case("compile_cache_dir under a file", with_file("cache", b"x", "train.compile=true",
+                                                     "train.compile_cache_dir={f}/sub"),
+         "train.compile_cache_dir"),
     # export and sample
     Case("export of an inline model's run", inline_run, "trained an inline model (driver.make_model"),
     Case("sample --max-new-tokens -1", sample_case("--max-new-tokens", "-1"), "--max-new-tokens"),

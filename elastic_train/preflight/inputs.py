@@ -21,6 +21,7 @@ from elastic_train.data.plan import StreamSpec
 from elastic_train.data.prepare import default_corpus_dir
 from elastic_train.data.rowgroups import BlockTable, hold_out
 from elastic_train.preflight.checks import (
+    check_compile_cache,
     check_gpu,
     check_reduce,
     check_sample_ids,
@@ -193,10 +194,15 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     except ValueError as exc:
         raise ConfigError(f"data.path: {exc}") from None
     model = meta_model(cfg, model_fn)
-    if cfg.train.sharding == "fsdp":  # a class name that matches no module: before any worker
-        missing = missing_module_classes(model, cfg.model.shard_modules)
+    # a class name that matches no module: before any worker
+    for key, names, used in (("model.shard_modules", cfg.model.shard_modules,
+                              cfg.train.sharding == "fsdp"),
+                             ("train.compile_modules", cfg.train.compile_modules,
+                              cfg.train.compile)):
+        missing = missing_module_classes(model, names, key) if used else None
         if missing:
             raise ConfigError(missing)
+    check_compile_cache(cfg)
     check_model_tokenizer(cfg, info)
     check_model_fits_data(cfg, info, model)
     if tables.eval_info is not None:
