@@ -46,6 +46,7 @@ from elastic_train.observe.summary import build_summary
 from elastic_train.preflight.finished import finished_message, finished_run
 from elastic_train.preflight.inputs import check_inputs, data_tables, run_horizon
 from elastic_train.preflight.packages import check_packages
+from elastic_train.preflight.tracking import check_tracking
 from elastic_train.training.losses import LossFn
 from elastic_train.training.model import ModelFn
 
@@ -88,6 +89,7 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
     """
     startup = {"process_start": psutil.Process().create_time(), "train_call": time.time()}
     check_packages(cfg)  # first: the model check below would import them
+    check_tracking(cfg)
     info = check_inputs(cfg, model_fn)
     done = finished_run(cfg)
     if done is not None:

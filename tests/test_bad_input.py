@@ -407,6 +407,11 @@ CASES = [
     Case("compile_cache_dir under a file", with_file("cache", b"x", "train.compile=true",
                                                      "train.compile_cache_dir={f}/sub"),
          "train.compile_cache_dir"),
+    # tracking targets that cannot work (the W&B and sqlite cases: tests of their own)
+    Case("log.mlflow store under a file", with_file("f", b"x", "log.mlflow={f}/mlruns"),
+         "log.mlflow: the file store"),
+    Case("log.mlflow file: URI under a file", with_file("f", b"x", "log.mlflow=file://{f}/mlruns"),
+         "log.mlflow: the file store"),
     # export and sample
     Case("export of an inline model's run", inline_run, "trained an inline model (driver.make_model"),
     Case("sample --max-new-tokens -1", sample_case("--max-new-tokens", "-1"), "--max-new-tokens"),
@@ -513,7 +518,8 @@ def test_prepare_skips_binary_files_with_a_count(tmp_path, capsys, caplog):
                    blank_txt=b" \n \n")
     (tmp_path / "in" / "sub").mkdir()
     (tmp_path / "in" / "sub" / "fake.txt").write_bytes(PNG)
-    code = main(["prepare", *inputs, str(tmp_path / "in" / "sub"), "--output", str(tmp_path / "out")])
+    code = main(["prepare", *inputs, str(tmp_path / "in" / "sub"), "--output", str(tmp_path / "out"),
+                 "--eval-fraction", "0"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     stats = json.loads(captured.out)
@@ -673,3 +679,51 @@ def test_local_run_talks_only_to_its_own_cluster(other_cluster, tmp_path, good_d
     assert "Failed to register placement group" not in output
     summary = json.loads((tmp_path / "own" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 3
+
+
+@pytest.mark.unit
+def test_wandb_online_without_a_key_is_refused_before_ray(tmp_path, good_data, capsys, no_ray,
+                                                          monkeypatch):
+    """log.wandb with W&B online and no key anywhere: one error naming log.wandb and the ways
+    out, nothing written; offline mode, or a key in ~/.netrc, is accepted (the tripwire)."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "netrc").write_text("")
+    (tmp_path / "netrc").chmod(0o600)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    argv = train("log.wandb=proj")(tmp_path, good_data)
+    before = snapshot_files(tmp_path, Path(good_data))
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "log.wandb=proj" in errors[0] and "WANDB_MODE=offline" in errors[0]
+    assert snapshot_files(tmp_path, Path(good_data)) == before
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password k" + "0" * 39 + "\n")
+    with pytest.raises(AssertionError, match="Ray would start now"):
+        main(argv)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(AssertionError, match="Ray would start now"):
+        main(argv)
+
+
+@pytest.mark.unit
+def test_an_sql_mlflow_store_needs_the_full_mlflow(monkeypatch, tmp_path):
+    """sqlite:// (or another SQL store) without SQLAlchemy/Alembic, as with mlflow-skinny alone:
+    refused naming log.mlflow and the package; with them, accepted; a sqlite file under a plain
+    file refused."""
+    import importlib.util
+
+    from elastic_train.config import ConfigError
+    from elastic_train.preflight import tracking
+
+    real = importlib.util.find_spec
+    have: set[str] = set()
+    monkeypatch.setattr(tracking.importlib.util, "find_spec",
+                        lambda name: real("json") if name in have else None)
+    with pytest.raises(ConfigError, match="log.mlflow: a sqlite store needs the full mlflow"):
+        tracking.check_mlflow(f"sqlite:///{tmp_path}/m.db")
+    have.update({"sqlalchemy", "alembic"})
+    tracking.check_mlflow(f"sqlite:///{tmp_path}/m.db")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match="log.mlflow: the sqlite database"):
+        tracking.check_mlflow(f"sqlite:///{tmp_path}/f/m.db")
