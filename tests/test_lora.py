@@ -176,3 +176,53 @@ def test_lora_on_the_embedded_gpt_trains_its_linear_targets():
     assert any(n.endswith("proj.lora_B.default.weight") for n in grads)
     assert set(model.state_dict()) == {n for n, p in model.named_parameters()
                                        if p.requires_grad} | {BASE_KEY}
+
+
+def test_a_resume_on_another_base_is_refused_before_ray_and_changes_nothing(
+        weights_folder, tmp_path, monkeypatch, capsys):
+    """A finished LoRA run (a checkpoint of adapters on base `one`, summary.json "finished")
+    trained on with model.path naming other weights: one error naming model.path and both
+    hashes, exit 2, before Ray starts, and every file of the run folder byte for byte the same
+    (config.yaml not rewritten, summary.json still "finished")."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import elastic_train.api
+    from elastic_train.cli import main
+    from elastic_train.data.prepare import prepare
+    from elastic_train.preflight.inputs import check_inputs
+    from elastic_train.training.checkpoint import snapshot, write_checkpoint
+
+    def tripwire(cfg):
+        raise AssertionError("the input was accepted: Ray would start now")
+
+    monkeypatch.setattr(elastic_train.api, "init_ray", tripwire)
+    (tmp_path / "src.txt").write_text("\n\n".join(f"line {i} " * 9 for i in range(200)))
+    prepare([tmp_path / "src.txt"], tmp_path / "data", max_seq_len=64)
+    other = weights_folder / "other"
+    shutil.copytree(weights_folder / "one", other)
+    weights = load_file(other / "model.safetensors")
+    weights["lm_head.weight"][0, 0] += 1
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    common = ["model.lora.r=4", "model.lora.target_modules=[q_proj, v_proj]", "model.name=hf",
+              f"data.path={tmp_path / 'data'}", f"run.storage_path={tmp_path / 'runs'}",
+              "run.name=sft", "train.max_steps=2", "eval.fraction=0", "log.progress=none",
+              "checkpoint.keep_best=false", "data.max_seq_len=64"]
+    cfg = load_config(None, [*common, f"model.path={weights_folder / 'one'}"])
+    check_inputs(cfg)
+    model = build_model(cfg.model, cfg.data.max_seq_len)
+    snap = snapshot(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
+                    None, {"step": 2, "epoch": 0, "step_in_epoch": 2}, cfg.to_dict(), world_size=1)
+    run = tmp_path / "runs" / "sft"
+    write_checkpoint(snap, run / "checkpoint_000000002")
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    (run / "summary.json").write_text(json.dumps({"status": "finished", "steps": 2}))
+    before = {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    assert main(["train", *common, f"model.path={other}", "train.max_steps=4"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.path" in errors[0] and "another base model" in errors[0]
+    assert {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+    with pytest.raises(AssertionError, match="Ray would start now"):  # the same base: accepted
+        main(["train", *common, f"model.path={weights_folder / 'one'}", "train.max_steps=4"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -46,8 +47,32 @@ def check_resumable(cfg: Config, ours: dict[str, list[int]],
                               f"another run.name, or the model config it was trained with")
         if info is not None:
             _check_same_data(cfg, info, state, fs, folder, name)
+        _check_same_base(cfg, fs, directory, name)
         return state
     return None
+
+
+def _check_same_base(cfg: Config, fs: pafs.FileSystem, directory: str, name: str) -> None:
+    """A LoRA run's adapters resume only on the base they were trained on (lora.py): for a base
+    loaded from the weights in model.path, its hash (basehash.py, cached per node, so the
+    workers do not hash it again) against the one the checkpoint holds, here before Ray starts
+    (the workers check again, and for a base built from its seed they alone can)."""
+    if not (cfg.model.lora.r > 0 and cfg.model.name == "hf" and cfg.model.path
+            and isinstance(fs, pafs.LocalFileSystem) and "://" not in cfg.model.path):
+        return
+    from elastic_train.training.basehash import folder_hash
+    from elastic_train.training.checkpoint import read_shards
+    from elastic_train.training.lora import BASE_KEY
+
+    ours = folder_hash(Path(cfg.model.path).expanduser())
+    saved = read_shards(directory, "model").get(BASE_KEY)
+    if ours is None or saved is None or bytes(saved.tolist()) == ours:
+        return
+    raise ConfigError(
+        f"model.path: run {cfg.run.name}'s checkpoint {name} holds LoRA adapters trained on "
+        f"another base model (base sha256 {bytes(saved.tolist()).hex()[:16]}..., "
+        f"'{cfg.model.path}' has {ours.hex()[:16]}...): resume on the base model.path it was "
+        "trained on, or use another run.name")
 
 
 def _check_same_data(cfg: Config, info: DatasetInfo, state: dict, fs: pafs.FileSystem,
