@@ -727,3 +727,32 @@ def test_an_sql_mlflow_store_needs_the_full_mlflow(monkeypatch, tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ConfigError, match="log.mlflow: the sqlite database"):
         tracking.check_mlflow(f"sqlite:///{tmp_path}/f/m.db")
+
+
+@pytest.mark.unit
+def test_a_resume_that_moves_the_lr_schedule_says_from_what_to_what(tmp_path, good_data, caplog,
+                                                                    no_ray):
+    """A resumable run at step 2 of 8 resumed with train.max_steps=80: one warning, before Ray,
+    with the LR the resume step had and the one it gets now; the same max_steps says nothing."""
+    import logging
+
+    from elastic_train.config import load_config
+    from elastic_train.training.optim import lr_at
+
+    resumable_run(tmp_path / "runs", good_data, "t")
+    caplog.set_level(logging.WARNING)
+    argv = train("train.max_steps=80", "optim.warmup_steps=1")(tmp_path, good_data)
+    with pytest.raises(AssertionError, match="Ray would start now"):
+        main(argv)
+    notes = [r.getMessage() for r in caplog.records if "learning rate goes from" in r.getMessage()]
+    saved = load_config(None, [*TINY])
+    now = load_config(None, [*TINY, "optim.warmup_steps=1"])
+    before, after = lr_at(2, saved.optim, saved.train.max_steps), lr_at(2, now.optim, 80)
+    assert before != after
+    assert notes == [f"run t: resuming at step 2, the learning rate goes from {before:.3g} to "
+                     f"{after:.3g} (train.max_steps {saved.train.max_steps} -> 80 moves the "
+                     "schedule's end; the schedule follows the current config)"]
+    caplog.clear()
+    with pytest.raises(AssertionError, match="Ray would start now"):
+        main(train()(tmp_path, good_data))
+    assert not [r for r in caplog.records if "learning rate goes from" in r.getMessage()]
