@@ -4,7 +4,7 @@
     elastic-train prepare INPUT... --output DIR [--max-seq-len N] [--eval-fraction F]
                           [--engine auto|ray|local]
     elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME] [--merge]
-    elastic-train sample RUN_FOLDER --prompt TEXT [--max-new-tokens N]
+    elastic-train sample RUN_FOLDER|EXPORT_FOLDER --prompt TEXT [--max-new-tokens N]
     elastic-train report RUN_FOLDER
 
 Exit status 0 on success; on bad input, non-zero with one line `error: ...` naming the culprit.
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "loads alone (default: the adapters, for PeftModel.from_pretrained)")
     p.set_defaults(func=_export)
     p = sub.add_parser("sample", help="print a continuation of a prompt by the trained model")
-    p.add_argument("run_folder")
+    p.add_argument("run_folder", help="a run folder, or a folder export wrote")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
