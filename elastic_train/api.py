@@ -183,6 +183,8 @@ def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals)
         progress.start(runlog, poll=functools.partial(poll_progress, runlog))
     watch = RunWatch(cfg, runlog, abort=lambda: abort_controller(trainer.controller),
                      describe_wait=lambda: wait_note(cfg)).start()
+    if progress is not None:
+        progress.gate = watch.announced  # a failure's line before its next attempt's progress
     elastic = cfg.scaling.min_workers < cfg.scaling.max_workers
     watcher = NodeWatcher().start() if elastic else None
     train_first = TrainFirst().start() if local and cfg.run.train_first else None

@@ -32,7 +32,10 @@ def _train(args: argparse.Namespace) -> int:
     s = result.summary
     ended = {"train.max_steps": f" (train.max_steps={cfg.train.max_steps} reached)",
              "train.epochs": f" (train.epochs={cfg.train.epochs} done)"}.get(s.get("ended_by"), "")
-    print(f"finished: {s['steps']} steps{ended}, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
+    evaluated = (f", eval {s['final_eval_loss']:.4f} at step {s['eval_steps'][-1]} (best "
+                 f"{s['best_eval_loss']:.4f} @{s['best_step']})" if s.get("eval_steps") else "")
+    print(f"finished: {s['steps']} steps{ended}, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"
+          f"{evaluated}, "
           f"padding efficiency {s['padding_efficiency']:.3f}, {s['tokens_per_s']:.0f} tokens/s, "
           f"restarts {s['restarts']}, {s.get('precision')} on {s.get('device')} with micro-batches of "
           f"{s.get('micro_batch_tokens')} tokens, run folder {result.run_dir}")

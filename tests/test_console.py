@@ -204,3 +204,35 @@ def test_failing_run_console_shows_the_workers_error(tmp_path, tiny, small_datas
     assert re.search(r'File ".*tiny_gru\.py", line \d+, in forward', console), console
     assert 'raise ValueError("this model fails in forward on purpose")' in console
     assert ray_info_lines(console) == [], console
+
+
+@pytest.mark.unit
+def test_libraries_notices_in_workers_reach_ray_log_only():
+    """bitsandbytes' CPU kernel notice, transformers' loading bar and a FutureWarning (with its
+    source line), c10d's and NCCL's notices: in ray.log, not on the screen; the worker's own
+    lines around them, and a UserWarning, still shown."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    printed: list[dict] = []
+    dispatcher.add_handler("ray_print_logs", printed.append)
+    log = RayLog()
+    noise = [
+        "Failed to load CPU gemm_4bit_forward from kernels-community: Kernel repository ... "
+        "Please make sure you already `pip install kernels` and the kernels >= 0.11.1",
+        "Loading weights: 100%|██████████| 3/3 [00:00<00:00, 1234.56it/s]",
+        "/venv/lib/python3.11/site-packages/transformers/x.py:12: FutureWarning: `foo` is "
+        "deprecated", "  warnings.warn(",
+        "[W1204 10:00:00.000 socket.cpp:767] [c10d] The hostname of the client socket cannot be "
+        "retrieved. err=-3",
+        "Unable to reset NCCL flight recorder: ...",
+    ]
+    ours = ["my model says hello", "/m.py:3: UserWarning: check this", "  warnings.warn("]
+    try:
+        undo = route_forwarded_lines(log, verbose=False)
+        dispatcher.emit({"pid": 7, "actor_name": "RayTrainWorker", "is_err": True,
+                         "lines": [noise[0], ours[0], *noise[1:], *ours[1:]]})
+        undo()
+    finally:
+        dispatcher.remove_handler("ray_print_logs")
+    assert [line for batch in printed for line in batch["lines"]] == ours
+    assert len(log._pending) == len(noise) + len(ours)
