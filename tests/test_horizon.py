@@ -50,3 +50,38 @@ def test_summary_says_which_limit_ended_the_run_and_agrees_with_the_eval_epoch(t
     assert (by_steps["ended_by"], by_steps["epochs_completed"]) == ("train.max_steps", 0)
     failed = build_summary(_folder(tmp_path, 28, eval_epoch=0), 0.0, error="boom", limits=(28, 3))
     assert "ended_by" not in failed
+
+
+def test_batch_sizes_and_row_length_follow_a_small_data_set_unless_set(tmp_path):
+    """300 short prompt/response examples prepared with --max-seq-len 1024 and the CLI's
+    defaults: data.max_seq_len is the longest row (not 1024), the micro-batch the power of two
+    that holds it, the step a few micro-batches, so an epoch is tens of steps; values given
+    are kept; the default corpus keeps 2048 / 16384."""
+    from elastic_train.cli import main
+    from elastic_train.config import load_config, num_partitions
+    from elastic_train.data.dataset import inspect_dataset
+    from elastic_train.preflight.inputs import check_inputs, run_horizon
+
+    lines = [json.dumps({"prompt": f"Question {i}: what is {i} plus {i}?\n",
+                         "response": f" It is {2 * i}." + " Indeed." * (i % 7)}) for i in range(300)]
+    (tmp_path / "sft.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["prepare", str(tmp_path / "sft.jsonl"), "--output", str(tmp_path / "data"),
+                 "--max-seq-len", "1024", "--engine", "local"]) == 0
+    longest = inspect_dataset(str(tmp_path / "data")).max_length
+    run = [f"data.path={tmp_path / 'data'}", f"run.storage_path={tmp_path / 'runs'}"]
+    cfg = load_config(None, run)
+    info = check_inputs(cfg)
+    d = cfg.data
+    assert longest <= d.max_seq_len < 1024  # the longest row (of training or held-out data)
+    assert d.micro_batch_tokens == 1 << (d.max_seq_len - 1).bit_length()
+    assert 2 <= num_partitions(cfg) <= 8 and d.global_batch_tokens % d.micro_batch_tokens == 0
+    horizon = run_horizon(cfg, info)
+    assert horizon.limit == "train.epochs" and 10 <= horizon.total < cfg.train.max_steps
+    kept = load_config(None, [*run, "data.max_seq_len=200", "data.micro_batch_tokens=400",
+                              "data.global_batch_tokens=1200"])
+    check_inputs(kept)
+    assert (kept.data.max_seq_len, kept.data.micro_batch_tokens,
+            kept.data.global_batch_tokens) == (200, 400, 1200)
+    default = load_config(None, [f"run.storage_path={tmp_path / 'runs'}"])
+    check_inputs(default)
+    assert (default.data.micro_batch_tokens, default.data.global_batch_tokens) == (2048, 16384)
