@@ -236,3 +236,39 @@ def test_libraries_notices_in_workers_reach_ray_log_only():
         dispatcher.remove_handler("ray_print_logs")
     assert [line for batch in printed for line in batch["lines"]] == ours
     assert len(log._pending) == len(noise) + len(ours)
+
+
+@pytest.mark.ray
+def test_prepare_then_train_with_defaults_on_a_small_package(tmp_path):
+    """Issue 38's first hour: `prepare` a small package's sources (the standard library's email
+    package, a few dozen files) and `train data.path=...` with no other setting. It trains (the
+    held-out documents and the row groups come from prepare, the batch sizes from the data),
+    evaluates, counts its progress to the steps it trains, and its end line names the limit
+    that ended it; summary.json and the evaluation records agree on the epoch; the console
+    holds no library notice."""
+    import email
+
+    from elastic_train.cli import main
+
+    data = tmp_path / "data" / "email"
+    assert main(["prepare", str(Path(email.__file__).parent), "--output", str(data),
+                 "--engine", "local"]) == 0
+    proc = _train(tmp_path, "run.name=own", f"data.path={data}",
+                  "scaling.worker_group_start_timeout_s=300")
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-5000:]
+    run = tmp_path / "own"
+    summary = json.loads((run / "summary.json").read_text())
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_loss" in r]
+    assert summary["status"] == "finished" and evals and evals[-1]["step"] == summary["steps"]
+    assert summary["final_eval_epoch"] == evals[-1]["epoch"] == summary["epochs_completed"]
+    totals = {int(t) for t in re.findall(r"^step \d+/(\d+) ", proc.stdout, re.M)}
+    assert totals == {summary["steps"]}, console[-3000:]
+    limit = {"train.epochs": "(train.epochs=1 done)",
+             "train.max_steps": "(train.max_steps=120 reached)"}[summary["ended_by"]]
+    end = [line for line in proc.stdout.splitlines() if line.startswith("finished: ")]
+    assert len(end) == 1 and end[0].startswith(f"finished: {summary['steps']} steps {limit}")
+    assert f"eval {summary['final_eval_loss']:.4f} at step {summary['steps']}" in end[0]
+    assert ray_info_lines(console) == [], console
+    assert not re.search(r"FutureWarning|gemm_4bit|\d+%\|", console), console
