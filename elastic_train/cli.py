@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `elastic-train` console script."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from elastic_train.cluster.console import quiet_library_notices
+
+    quiet_library_notices()
     from elastic_train.config import ConfigError
 
     try:

@@ -272,3 +272,35 @@ def test_prepare_then_train_with_defaults_on_a_small_package(tmp_path):
     assert f"eval {summary['final_eval_loss']:.4f} at step {summary['steps']}" in end[0]
     assert ray_info_lines(console) == [], console
     assert not re.search(r"FutureWarning|gemm_4bit|\d+%\|", console), console
+
+
+@pytest.mark.unit
+def test_the_command_lines_console_drops_libraries_notices_on_the_driver():
+    """On the driver (imports of peft, the meta model): bitsandbytes' CPU kernel warning and a
+    transformers FutureWarning stay off the console; our warnings and a UserWarning stay on."""
+    import io
+    import logging
+    import warnings
+
+    from elastic_train.cluster.console import LibraryNoiseFilter, quiet_library_notices
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        quiet_library_notices()
+        assert any(isinstance(f, LibraryNoiseFilter) for f in handler.filters)
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning(
+            "Failed to load CPU gemm_4bit_forward from kernels-community: ...")
+        logging.getLogger("elastic_train").warning("ours")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("`x` is deprecated", FutureWarning, stacklevel=1)
+            warnings.warn("look at this", UserWarning, stacklevel=1)
+    finally:
+        root.removeHandler(handler)
+        logging.captureWarnings(False)
+    text = stream.getvalue()
+    assert "gemm_4bit" not in text and "FutureWarning" not in text
+    assert "ours" in text and "UserWarning: look at this" in text

@@ -226,3 +226,56 @@ def test_a_resume_on_another_base_is_refused_before_ray_and_changes_nothing(
     assert {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
     with pytest.raises(AssertionError, match="Ray would start now"):  # the same base: accepted
         main(["train", *common, f"model.path={weights_folder / 'one'}", "train.max_steps=4"])
+
+
+def test_the_finetuning_pages_commands_pass_every_check_before_ray(tmp_path, monkeypatch):
+    """docs/finetuning.md's prepare and LoRA train commands, as written, on 300 chat examples
+    with a tiny Llama (a config.json) and a tokenizer trained here: prepare succeeds, and train
+    passes every check up to starting Ray (the tripwire), with data.max_seq_len and the batch
+    sizes taken from the data (rows far shorter than --max-seq-len 1024 and the model's 256
+    positions)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    import elastic_train.api
+    from elastic_train.cli import main
+
+    chats = [{"messages": [{"role": "user", "content": f"What is {i} times 3?"},
+                           {"role": "assistant", "content": f"{i} times 3 is {3 * i}."}]}
+             for i in range(300)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([m["content"] for c in chats for m in c["messages"]],
+                                trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"],
+                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                    show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>")
+    tok.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if m.role == "
+                         "'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok.save_pretrained(tmp_path / "model")
+    LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                tie_word_embeddings=True).save_pretrained(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", "sft.jsonl", "--output", "data/sft", "--tokenizer", "model",
+                 "--max-seq-len", "1024", "--eval-fraction", "0.05"]) == 0
+    resolved = {}
+
+    def tripwire(cfg):
+        resolved["data"] = cfg.data
+        raise AssertionError("the input was accepted: Ray would start now")
+
+    monkeypatch.setattr(elastic_train.api, "init_ray", tripwire)
+    with pytest.raises(AssertionError, match="Ray would start now"):
+        main(["train", "model.name=hf", "model.path=model", "data.path=data/sft",
+              "model.lora.r=16", "model.lora.alpha=32", "model.lora.target_modules=[q_proj, v_proj]",
+              "model.base_dtype=bf16", "eval.fraction=0.05", "run.name=my-sft"])
+    data = resolved["data"]
+    assert data.max_seq_len < 64 and data.micro_batch_tokens == 1 << (data.max_seq_len - 1).bit_length()
+    assert 2 <= data.global_batch_tokens // data.micro_batch_tokens <= 8

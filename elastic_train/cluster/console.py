@@ -70,7 +70,9 @@ _PREEMPTION_WATCHER_ARGS = ("'PreemptionWatcher'", "constructor arguments in the
 
 
 RAY_NOISE = ("Found multiple active Ray instances", "Token authentication is enabled for this Ray",
-             "Token authentication is disabled for this Ray")
+             "Token authentication is disabled for this Ray",
+             # the GCS at shutdown, ending an actor whose process is gone already
+             "KillActor RPC failed for actor")
 # The first line of a report of Ray's on a failure: a traceback, Ray Train's worker error and its
 # controller's failed shutdown, the raylet's word on a dead worker.
 _FAILURE_REPORT = re.compile(r"^(Traceback \(most recent call last\):|Error in training function:|"
@@ -110,6 +112,27 @@ class LibraryNoise:
         if self._in_warning.pop(source, False) and line[:1].isspace():
             return True  # the warning's source line
         return bool(_PROGRESS_BAR.search(line) or any(noise in line for noise in LIBRARY_NOISE))
+
+
+class LibraryNoiseFilter(logging.Filter):
+    """Keeps libraries' notices (`LIBRARY_NOISE`; future and deprecation warnings, which
+    `quiet_library_notices` routes through logging) off the driver's console handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.name == "py.warnings" and _LIBRARY_WARNING.search(message):
+            return False
+        return not any(noise in message for noise in LIBRARY_NOISE)
+
+
+def quiet_library_notices() -> None:
+    """The command line's console: Python's warnings through logging (`py.warnings`), and
+    libraries' notices (bitsandbytes' CPU kernel as the driver imports peft, transformers'
+    future warnings as it builds the meta model) kept off the root logger's handlers."""
+    logging.captureWarnings(True)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, LibraryNoiseFilter) for f in handler.filters):
+            handler.addFilter(LibraryNoiseFilter())
 
 
 class FailureReports:
