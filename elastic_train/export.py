@@ -154,7 +154,9 @@ def load_exported(folder: Path) -> TrainedModel:
         tokenizer = load_tokenizer(folder / "tokenizer" if (folder / "tokenizer").is_dir() else None)
         return TrainedModel(model.eval(), cfg, folder, tokenizer)
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # "Loading weights": sample prints the text alone
     if (folder / "adapter_config.json").is_file():
         from peft import PeftConfig, PeftModel
 
@@ -162,6 +164,12 @@ def load_exported(folder: Path) -> TrainedModel:
         if not base_path:
             raise ValueError(f"export '{folder}' holds LoRA adapters of a model that is not a "
                              "transformers one: sample its run folder, or export it with --merge")
+        from elastic_train.training.basehash import weight_files
+
+        if not weight_files(Path(base_path).expanduser()):
+            raise ValueError(f"export '{folder}' holds LoRA adapters of the base '{base_path}', "
+                             "which has no weights (the run built it from its config and seed): "
+                             "sample the run folder, or its export with --merge")
         base = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True)
         model = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
     else:
