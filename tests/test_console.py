@@ -118,6 +118,13 @@ def test_ray_console_quiets_ray_loggers_on_screen_only_and_restores_them(verbose
     assert ray_train_logging(verbose).log_level == ("INFO" if verbose else "WARNING")
 
 
+def _drop_other_printers(dispatcher) -> None:
+    """Remove a printer an earlier test's Ray left in the process-wide dispatcher (building a
+    TorchTrainer in-process starts one): route_forwarded_lines wraps the first it finds."""
+    with dispatcher._lock:
+        dispatcher.handlers = [(n, h) for n, h in dispatcher.handlers if n != "ray_print_logs"]
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("verbose", [False, True])
 def test_forwarded_lines_all_reach_ray_log_and_chatter_stays_off_screen(verbose):
@@ -125,6 +132,7 @@ def test_forwarded_lines_all_reach_ray_log_and_chatter_stays_off_screen(verbose)
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
     printed: list[dict] = []
+    _drop_other_printers(dispatcher)
     dispatcher.add_handler("ray_print_logs", printed.append)  # as ray.init(log_to_driver=True)
     log = RayLog()
     try:
@@ -214,6 +222,7 @@ def test_libraries_notices_in_workers_reach_ray_log_only():
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
     printed: list[dict] = []
+    _drop_other_printers(dispatcher)
     dispatcher.add_handler("ray_print_logs", printed.append)
     log = RayLog()
     noise = [
@@ -288,6 +297,7 @@ def test_the_command_lines_console_drops_libraries_notices_on_the_driver():
     handler = logging.StreamHandler(stream)
     root = logging.getLogger()
     root.addHandler(handler)
+    logging.captureWarnings(False)  # an earlier in-process `main` may have captured them
     try:
         quiet_library_notices()
         assert any(isinstance(f, LibraryNoiseFilter) for f in handler.filters)
