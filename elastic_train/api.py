@@ -44,8 +44,9 @@ from elastic_train.observe.progress import Progress
 from elastic_train.observe.runfolder import run_uri, split_uri
 from elastic_train.observe.summary import build_summary
 from elastic_train.preflight.finished import finished_message, finished_run
-from elastic_train.preflight.inputs import check_inputs, data_tables
+from elastic_train.preflight.inputs import check_inputs, data_tables, run_horizon
 from elastic_train.preflight.packages import check_packages
+from elastic_train.preflight.tracking import check_tracking
 from elastic_train.training.losses import LossFn
 from elastic_train.training.model import ModelFn
 
@@ -88,6 +89,7 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
     """
     startup = {"process_start": psutil.Process().create_time(), "train_call": time.time()}
     check_packages(cfg)  # first: the model check below would import them
+    check_tracking(cfg)
     info = check_inputs(cfg, model_fn)
     done = finished_run(cfg)
     if done is not None:
@@ -96,6 +98,8 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
         return TrainResult(done, run_uri(cfg), f"{run_uri(cfg)}/{done['checkpoint']}", note)
     if progress is True:
         progress = Progress(cfg.train.max_steps, cfg.log.progress, cfg.log.print_every_steps)
+    if isinstance(progress, Progress):
+        progress.set_total(run_horizon(cfg, info).total)
     for fn in (model_fn, loss_fn):
         ship_by_value(fn)
     startup["checks_done"] = time.time()
@@ -137,7 +141,8 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
         ray.get(runlog.log_event.remote({"event": "fit_start", "driver_startup": startup}))
         outcome = _fit(cfg, trainer, runlog, progress, local, stop)
         fatal = ray.get(runlog.progress.remote())["fatal"]
-        summary = build_summary(folder, start_time=start, error=fatal or outcome.error)
+        summary = build_summary(folder, start_time=start, error=fatal or outcome.error,
+                                limits=(cfg.train.max_steps, cfg.train.epochs))
         if outcome.stopped:
             summary["status"], summary["reason"] = "stopped", f"stopped by {outcome.stopped}"
         summary["provenance"] = record
@@ -178,6 +183,8 @@ def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals)
         progress.start(runlog, poll=functools.partial(poll_progress, runlog))
     watch = RunWatch(cfg, runlog, abort=lambda: abort_controller(trainer.controller),
                      describe_wait=lambda: wait_note(cfg)).start()
+    if progress is not None:
+        progress.gate = watch.announced  # a failure's line before its next attempt's progress
     elastic = cfg.scaling.min_workers < cfg.scaling.max_workers
     watcher = NodeWatcher().start() if elastic else None
     train_first = TrainFirst().start() if local and cfg.run.train_first else None

@@ -4,7 +4,7 @@
     elastic-train prepare INPUT... --output DIR [--max-seq-len N] [--eval-fraction F]
                           [--engine auto|ray|local]
     elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME] [--merge]
-    elastic-train sample RUN_FOLDER --prompt TEXT [--max-new-tokens N]
+    elastic-train sample RUN_FOLDER|EXPORT_FOLDER --prompt TEXT [--max-new-tokens N]
     elastic-train report RUN_FOLDER
 
 Exit status 0 on success; on bad input, non-zero with one line `error: ...` naming the culprit.
@@ -30,7 +30,12 @@ def _train(args: argparse.Namespace) -> int:
     if result.note:  # nothing was trained: train() said why
         return 0
     s = result.summary
-    print(f"finished: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}, "
+    ended = {"train.max_steps": f" (train.max_steps={cfg.train.max_steps} reached)",
+             "train.epochs": f" (train.epochs={cfg.train.epochs} done)"}.get(s.get("ended_by"), "")
+    evaluated = (f", eval {s['final_eval_loss']:.4f} at step {s['eval_steps'][-1]} (best "
+                 f"{s['best_eval_loss']:.4f} @{s['best_step']})" if s.get("eval_steps") else "")
+    print(f"finished: {s['steps']} steps{ended}, loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"
+          f"{evaluated}, "
           f"padding efficiency {s['padding_efficiency']:.3f}, {s['tokens_per_s']:.0f} tokens/s, "
           f"restarts {s['restarts']}, {s.get('precision')} on {s.get('device')} with micro-batches of "
           f"{s.get('micro_batch_tokens')} tokens, run folder {result.run_dir}")
@@ -106,11 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="folder for the shards (must hold none yet)")
     p.add_argument("--max-seq-len", type=int, default=512, help="longest row, in tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the row shuffle")
-    p.add_argument("--eval-fraction", type=float, default=0.0,
+    p.add_argument("--eval-fraction", type=float, default=0.03,
                    help="share of documents held out, all their rows, into OUTPUT/eval/ (a data "
-                        "set of its own), which eval.fraction > 0 evaluates on (default 0)")
-    p.add_argument("--rows-per-block", type=int, default=128,
-                   help="rows per Parquet row group, the unit a training rank reads alone")
+                        "set of its own), which eval.fraction > 0 evaluates on (default 0.03; "
+                        "0: none)")
+    p.add_argument("--rows-per-block", type=int, default=None,
+                   help="rows per Parquet row group, the unit a training rank reads alone "
+                        "(default: 128, fewer for a small data set so it has 64 row groups)")
     p.add_argument("--tokenizer", default=None,
                    help="a tokenizer.json, or a folder a transformers tokenizer loads "
                         "(default: UTF-8 bytes)")
@@ -136,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "loads alone (default: the adapters, for PeftModel.from_pretrained)")
     p.set_defaults(func=_export)
     p = sub.add_parser("sample", help="print a continuation of a prompt by the trained model")
-    p.add_argument("run_folder")
+    p.add_argument("run_folder", help="a run folder, or a folder export wrote")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -155,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `elastic-train` console script."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from elastic_train.cluster.console import quiet_library_notices
+
+    quiet_library_notices()
     from elastic_train.config import ConfigError
 
     try:

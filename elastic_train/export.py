@@ -99,8 +99,11 @@ def run_tokenizer(cfg: Config) -> Tokenizer:
 
 def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
                  model_fn: ModelFn | None = None) -> TrainedModel:
-    """Rebuild the run's model and load a checkpoint's weights into it (on the CPU, eval mode)."""
+    """Rebuild the run's model and load a checkpoint's weights into it (on the CPU, eval mode);
+    or, for a folder `export` wrote, the model it holds (`load_exported`)."""
     folder = Path(run_folder)
+    if checkpoint is None and is_export_folder(folder):
+        return load_exported(folder)
     cfg = load_run_config(folder)
     if cfg.model.inline_fn and model_fn is None:
         raise ValueError(
@@ -121,6 +124,61 @@ def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
         raise ValueError(f"checkpoint '{ckpt}' {mismatch}{hint}")
     load_model_weights(ckpt, model)  # an fsdp run's rows assembled a tensor at a time
     return TrainedModel(model.eval(), cfg, ckpt, run_tokenizer(cfg))
+
+
+def is_export_folder(folder: Path) -> bool:
+    """A folder `export` wrote: no checkpoint in it, and a transformers model (config.json), a
+    LoRA adapter (adapter_config.json) or our own `model.safetensors` beside `config.yaml`."""
+    if not folder.is_dir() or any(folder.glob("checkpoint_*")):
+        return False
+    return ((folder / "config.json").is_file() or (folder / "adapter_config.json").is_file()
+            or ((folder / "model.safetensors").is_file() and (folder / "config.yaml").is_file()))
+
+
+def load_exported(folder: Path) -> TrainedModel:
+    """The model of an export folder, for `sample`: a transformers model, LoRA adapters merged
+    into the base their adapter_config.json names, or our own model from its `config.yaml`;
+    the tokenizer beside it (bytes without one)."""
+    from elastic_train.data.tokenizer import load_tokenizer
+
+    if (folder / "config.yaml").is_file() and not (folder / "config.json").is_file():
+        cfg = load_run_config(folder)
+        if cfg.model.inline_fn:
+            raise ValueError(f"export '{folder}' holds an inline model ({cfg.model.inline_fn}), "
+                             "which its config cannot rebuild: load it with your model_fn")
+        from safetensors.torch import load_model
+
+        model = build_model(replace(cfg.model, lora=replace(cfg.model.lora, r=0)),
+                            cfg.data.max_seq_len)
+        load_model(model, str(folder / "model.safetensors"))
+        tokenizer = load_tokenizer(folder / "tokenizer" if (folder / "tokenizer").is_dir() else None)
+        return TrainedModel(model.eval(), cfg, folder, tokenizer)
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Loading weights": sample prints the text alone
+    if (folder / "adapter_config.json").is_file():
+        from peft import PeftConfig, PeftModel
+
+        base_path = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
+        if not base_path:
+            raise ValueError(f"export '{folder}' holds LoRA adapters of a model that is not a "
+                             "transformers one: sample its run folder, or export it with --merge")
+        from elastic_train.training.basehash import weight_files
+
+        if not weight_files(Path(base_path).expanduser()):
+            raise ValueError(f"export '{folder}' holds LoRA adapters of the base '{base_path}', "
+                             "which has no weights (the run built it from its config and seed): "
+                             "sample the run folder, or its export with --merge")
+        base = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True)
+        model = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+    cfg = config_from_dict({"model": {"name": "hf", "path": str(folder)}})
+    cfg.data.max_seq_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    has_tokenizer = any((folder / name).is_file() for name in ("tokenizer.json",
+                                                                  "tokenizer_config.json"))
+    return TrainedModel(model.eval(), cfg, folder, load_tokenizer(folder if has_tokenizer else None))
 
 
 def _unquantised(model_cfg: ModelConfig) -> ModelConfig:

@@ -391,6 +391,27 @@ CASES = [
          "already contains Parquet files"),
     Case("prepare jsonl not json", prepare_case(lambda tmp: [
         *files(tmp, a_jsonl=b'{"text": oops}\n'), "--output", str(tmp / "out")]), "a.jsonl"),
+    Case("prepare null prompt", prepare_case(lambda tmp: [
+        *files(tmp, a_jsonl=b'{"prompt": "Q", "response": "A"}\n{"prompt": null, "response": "B"}\n'),
+        "--output", str(tmp / "out"), "--engine", "local"]), "line 2: field 'prompt' is null"),
+    Case("prepare every example dropped", prepare_case(lambda tmp: [
+        *files(tmp, a_jsonl=b'{"prompt": "Q", "response": ""}\n'), "--output", str(tmp / "out"),
+        "--engine", "local"]), "every one of the 1 fine-tuning example(s) was dropped"),
+    # compile's keys, checked on the meta model and the driver's file system
+    Case("compile_modules no such class", train("train.compile=true",
+                                                "train.compile_modules=[NoSuchBlock]"),
+         "train.compile_modules: no module of class NoSuchBlock"),
+    Case("compile_cache_dir is a file", with_file("cache", b"x", "train.compile=true",
+                                                  "train.compile_cache_dir={f}"),
+         "train.compile_cache_dir"),
+    Case("compile_cache_dir under a file", with_file("cache", b"x", "train.compile=true",
+                                                     "train.compile_cache_dir={f}/sub"),
+         "train.compile_cache_dir"),
+    # tracking targets that cannot work (the W&B and sqlite cases: tests of their own)
+    Case("log.mlflow store under a file", with_file("f", b"x", "log.mlflow={f}/mlruns"),
+         "log.mlflow: the file store"),
+    Case("log.mlflow file: URI under a file", with_file("f", b"x", "log.mlflow=file://{f}/mlruns"),
+         "log.mlflow: the file store"),
     # export and sample
     Case("export of an inline model's run", inline_run, "trained an inline model (driver.make_model"),
     Case("sample --max-new-tokens -1", sample_case("--max-new-tokens", "-1"), "--max-new-tokens"),
@@ -497,7 +518,8 @@ def test_prepare_skips_binary_files_with_a_count(tmp_path, capsys, caplog):
                    blank_txt=b" \n \n")
     (tmp_path / "in" / "sub").mkdir()
     (tmp_path / "in" / "sub" / "fake.txt").write_bytes(PNG)
-    code = main(["prepare", *inputs, str(tmp_path / "in" / "sub"), "--output", str(tmp_path / "out")])
+    code = main(["prepare", *inputs, str(tmp_path / "in" / "sub"), "--output", str(tmp_path / "out"),
+                 "--eval-fraction", "0"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     stats = json.loads(captured.out)
@@ -657,3 +679,80 @@ def test_local_run_talks_only_to_its_own_cluster(other_cluster, tmp_path, good_d
     assert "Failed to register placement group" not in output
     summary = json.loads((tmp_path / "own" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 3
+
+
+@pytest.mark.unit
+def test_wandb_online_without_a_key_is_refused_before_ray(tmp_path, good_data, capsys, no_ray,
+                                                          monkeypatch):
+    """log.wandb with W&B online and no key anywhere: one error naming log.wandb and the ways
+    out, nothing written; offline mode, or a key in ~/.netrc, is accepted (the tripwire)."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "netrc").write_text("")
+    (tmp_path / "netrc").chmod(0o600)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    argv = train("log.wandb=proj")(tmp_path, good_data)
+    before = snapshot_files(tmp_path, Path(good_data))
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "log.wandb=proj" in errors[0] and "WANDB_MODE=offline" in errors[0]
+    assert snapshot_files(tmp_path, Path(good_data)) == before
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password k" + "0" * 39 + "\n")
+    with pytest.raises(AssertionError, match="Ray would start now"):
+        main(argv)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(AssertionError, match="Ray would start now"):
+        main(argv)
+
+
+@pytest.mark.unit
+def test_an_sql_mlflow_store_needs_the_full_mlflow(monkeypatch, tmp_path):
+    """sqlite:// (or another SQL store) without SQLAlchemy/Alembic, as with mlflow-skinny alone:
+    refused naming log.mlflow and the package; with them, accepted; a sqlite file under a plain
+    file refused."""
+    import importlib.util
+
+    from elastic_train.config import ConfigError
+    from elastic_train.preflight import tracking
+
+    real = importlib.util.find_spec
+    have: set[str] = set()
+    monkeypatch.setattr(tracking.importlib.util, "find_spec",
+                        lambda name: real("json") if name in have else None)
+    with pytest.raises(ConfigError, match="log.mlflow: a sqlite store needs the full mlflow"):
+        tracking.check_mlflow(f"sqlite:///{tmp_path}/m.db")
+    have.update({"sqlalchemy", "alembic"})
+    tracking.check_mlflow(f"sqlite:///{tmp_path}/m.db")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match="log.mlflow: the sqlite database"):
+        tracking.check_mlflow(f"sqlite:///{tmp_path}/f/m.db")
+
+
+@pytest.mark.unit
+def test_a_resume_that_moves_the_lr_schedule_says_from_what_to_what(tmp_path, good_data, caplog,
+                                                                    no_ray):
+    """A resumable run at step 2 of 8 resumed with train.max_steps=80: one warning, before Ray,
+    with the LR the resume step had and the one it gets now; the same max_steps says nothing."""
+    import logging
+
+    from elastic_train.config import load_config
+    from elastic_train.training.optim import lr_at
+
+    resumable_run(tmp_path / "runs", good_data, "t")
+    caplog.set_level(logging.WARNING)
+    argv = train("train.max_steps=80", "optim.warmup_steps=1")(tmp_path, good_data)
+    with pytest.raises(AssertionError, match="Ray would start now"):
+        main(argv)
+    notes = [r.getMessage() for r in caplog.records if "learning rate goes from" in r.getMessage()]
+    saved = load_config(None, [*TINY])
+    now = load_config(None, [*TINY, "optim.warmup_steps=1"])
+    before, after = lr_at(2, saved.optim, saved.train.max_steps), lr_at(2, now.optim, 80)
+    assert before != after
+    assert notes == [f"run t: resuming at step 2, the learning rate goes from {before:.3g} to "
+                     f"{after:.3g} (train.max_steps {saved.train.max_steps} -> 80 moves the "
+                     "schedule's end; the schedule follows the current config)"]
+    caplog.clear()
+    with pytest.raises(AssertionError, match="Ray would start now"):
+        main(train()(tmp_path, good_data))
+    assert not [r for r in caplog.records if "learning rate goes from" in r.getMessage()]

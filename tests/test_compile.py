@@ -19,7 +19,7 @@ from conftest import TINY
 from localenv import LocalEnv, train_locally
 from ranks import run_ranks
 
-from elastic_train.config import OptimConfig, load_config, num_partitions
+from elastic_train.config import OptimConfig, batch_tokens, load_config, num_partitions
 from elastic_train.data.blocks import iter_rank_steps, make_reader
 from elastic_train.data.dataset import inspect_dataset
 from elastic_train.data.plan import StreamSpec
@@ -50,7 +50,7 @@ def test_an_epoch_of_the_embedded_corpus_compiles_at_most_two_graphs():
     info = inspect_dataset(str(default_corpus_dir()))
     cfg.data.path = info.path
     table = data_tables(cfg, info).train
-    spec = StreamSpec(num_partitions(cfg), cfg.data.micro_batch_tokens, cfg.data.shuffle_window,
+    spec = StreamSpec(num_partitions(cfg), batch_tokens(cfg)[0], cfg.data.shuffle_window,
                       cfg.data.seed, cfg.data.bucketing)
     torch.manual_seed(0)
     model = build_model(cfg.model, info.max_length)

@@ -39,8 +39,8 @@ def test_dotted_overrides_typed():
     ("scaling.min_workers=3", "scaling.min_workers"),
     ("scaling.max_workers=0", "scaling.max_workers"),
     ("scaling.min_workers=0", "scaling.min_workers"),
-    ("data.micro_batch_tokens=100", "data.micro_batch_tokens"),
-    ("data.global_batch_tokens=5000", "data.global_batch_tokens"),
+    ("data.micro_batch_tokens=0", "data.micro_batch_tokens"),
+    ("data.global_batch_tokens=-1", "data.global_batch_tokens"),
     ("train.precision=fp8", "train.precision"),
     ("train.precision=fp16", "train.precision=fp16"),
     ("optim.name=sgd", "optim.name"),
@@ -57,10 +57,23 @@ def test_bad_values_name_the_key(override, culprit):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("overrides, culprit", [
+    (["data.micro_batch_tokens=100", "data.global_batch_tokens=16384"], "data.global_batch_tokens"),
+    (["data.micro_batch_tokens=2048", "data.global_batch_tokens=5000"], "data.global_batch_tokens"),
+    (["data.max_seq_len=512", "data.micro_batch_tokens=256"], "data.micro_batch_tokens"),
+])
+def test_batch_sizes_set_together_are_checked_at_load(overrides, culprit):
+    with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
 def test_budget_that_cannot_be_split_among_max_workers():
     with pytest.raises(ConfigError, match="cannot be split among scaling.max_workers"):
-        load_config(None, ["scaling.max_workers=16"])  # 8 micro-batches per step
-    assert num_partitions(load_config(None, ["scaling.max_workers=8"])) == 8
+        load_config(None, ["scaling.max_workers=16", *BUDGET])  # 8 micro-batches per step
+    assert num_partitions(load_config(None, ["scaling.max_workers=8", *BUDGET])) == 8
+
+
+BUDGET = ["data.micro_batch_tokens=2048", "data.global_batch_tokens=16384"]
 
 
 def test_unknown_key_in_file(tmp_path):

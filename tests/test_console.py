@@ -118,6 +118,13 @@ def test_ray_console_quiets_ray_loggers_on_screen_only_and_restores_them(verbose
     assert ray_train_logging(verbose).log_level == ("INFO" if verbose else "WARNING")
 
 
+def _drop_other_printers(dispatcher) -> None:
+    """Remove a printer an earlier test's Ray left in the process-wide dispatcher (building a
+    TorchTrainer in-process starts one): route_forwarded_lines wraps the first it finds."""
+    with dispatcher._lock:
+        dispatcher.handlers = [(n, h) for n, h in dispatcher.handlers if n != "ray_print_logs"]
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("verbose", [False, True])
 def test_forwarded_lines_all_reach_ray_log_and_chatter_stays_off_screen(verbose):
@@ -125,6 +132,7 @@ def test_forwarded_lines_all_reach_ray_log_and_chatter_stays_off_screen(verbose)
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
     printed: list[dict] = []
+    _drop_other_printers(dispatcher)
     dispatcher.add_handler("ray_print_logs", printed.append)  # as ray.init(log_to_driver=True)
     log = RayLog()
     try:
@@ -204,3 +212,105 @@ def test_failing_run_console_shows_the_workers_error(tmp_path, tiny, small_datas
     assert re.search(r'File ".*tiny_gru\.py", line \d+, in forward', console), console
     assert 'raise ValueError("this model fails in forward on purpose")' in console
     assert ray_info_lines(console) == [], console
+
+
+@pytest.mark.unit
+def test_libraries_notices_in_workers_reach_ray_log_only():
+    """bitsandbytes' CPU kernel notice, transformers' loading bar and a FutureWarning (with its
+    source line), c10d's and NCCL's notices: in ray.log, not on the screen; the worker's own
+    lines around them, and a UserWarning, still shown."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    printed: list[dict] = []
+    _drop_other_printers(dispatcher)
+    dispatcher.add_handler("ray_print_logs", printed.append)
+    log = RayLog()
+    noise = [
+        "Failed to load CPU gemm_4bit_forward from kernels-community: Kernel repository ... "
+        "Please make sure you already `pip install kernels` and the kernels >= 0.11.1",
+        "Loading weights: 100%|██████████| 3/3 [00:00<00:00, 1234.56it/s]",
+        "/venv/lib/python3.11/site-packages/transformers/x.py:12: FutureWarning: `foo` is "
+        "deprecated", "  warnings.warn(",
+        "[W1204 10:00:00.000 socket.cpp:767] [c10d] The hostname of the client socket cannot be "
+        "retrieved. err=-3",
+        "Unable to reset NCCL flight recorder: ...",
+    ]
+    ours = ["my model says hello", "/m.py:3: UserWarning: check this", "  warnings.warn("]
+    try:
+        undo = route_forwarded_lines(log, verbose=False)
+        dispatcher.emit({"pid": 7, "actor_name": "RayTrainWorker", "is_err": True,
+                         "lines": [noise[0], ours[0], *noise[1:], *ours[1:]]})
+        undo()
+    finally:
+        dispatcher.remove_handler("ray_print_logs")
+    assert [line for batch in printed for line in batch["lines"]] == ours
+    assert len(log._pending) == len(noise) + len(ours)
+
+
+@pytest.mark.ray
+def test_prepare_then_train_with_defaults_on_a_small_package(tmp_path):
+    """Issue 38's first hour: `prepare` a small package's sources (the standard library's email
+    package, a few dozen files) and `train data.path=...` with no other setting. It trains (the
+    held-out documents and the row groups come from prepare, the batch sizes from the data),
+    evaluates, counts its progress to the steps it trains, and its end line names the limit
+    that ended it; summary.json and the evaluation records agree on the epoch; the console
+    holds no library notice."""
+    import email
+
+    from elastic_train.cli import main
+
+    data = tmp_path / "data" / "email"
+    assert main(["prepare", str(Path(email.__file__).parent), "--output", str(data),
+                 "--engine", "local"]) == 0
+    proc = _train(tmp_path, "run.name=own", f"data.path={data}",
+                  "scaling.worker_group_start_timeout_s=300")
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-5000:]
+    run = tmp_path / "own"
+    summary = json.loads((run / "summary.json").read_text())
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_loss" in r]
+    assert summary["status"] == "finished" and evals and evals[-1]["step"] == summary["steps"]
+    assert summary["final_eval_epoch"] == evals[-1]["epoch"] == summary["epochs_completed"]
+    totals = {int(t) for t in re.findall(r"^step \d+/(\d+) ", proc.stdout, re.M)}
+    assert totals == {summary["steps"]}, console[-3000:]
+    limit = {"train.epochs": "(train.epochs=1 done)",
+             "train.max_steps": "(train.max_steps=120 reached)"}[summary["ended_by"]]
+    end = [line for line in proc.stdout.splitlines() if line.startswith("finished: ")]
+    assert len(end) == 1 and end[0].startswith(f"finished: {summary['steps']} steps {limit}")
+    assert f"eval {summary['final_eval_loss']:.4f} at step {summary['steps']}" in end[0]
+    assert ray_info_lines(console) == [], console
+    assert not re.search(r"FutureWarning|gemm_4bit|\d+%\|", console), console
+
+
+@pytest.mark.unit
+def test_the_command_lines_console_drops_libraries_notices_on_the_driver():
+    """On the driver (imports of peft, the meta model): bitsandbytes' CPU kernel warning and a
+    transformers FutureWarning stay off the console; our warnings and a UserWarning stay on."""
+    import io
+    import logging
+    import warnings
+
+    from elastic_train.cluster.console import LibraryNoiseFilter, quiet_library_notices
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    logging.captureWarnings(False)  # an earlier in-process `main` may have captured them
+    try:
+        quiet_library_notices()
+        assert any(isinstance(f, LibraryNoiseFilter) for f in handler.filters)
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning(
+            "Failed to load CPU gemm_4bit_forward from kernels-community: ...")
+        logging.getLogger("elastic_train").warning("ours")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("`x` is deprecated", FutureWarning, stacklevel=1)
+            warnings.warn("look at this", UserWarning, stacklevel=1)
+    finally:
+        root.removeHandler(handler)
+        logging.captureWarnings(False)
+    text = stream.getvalue()
+    assert "gemm_4bit" not in text and "FutureWarning" not in text
+    assert "ours" in text and "UserWarning: look at this" in text

@@ -18,7 +18,7 @@ from localenv import train_locally
 from ranks import run_ranks
 
 from elastic_train.api import train
-from elastic_train.config import ConfigError, ModelConfig, load_config
+from elastic_train.config import ConfigError, ModelConfig, batch_tokens, load_config
 from elastic_train.data.blocks import BlockReader
 from elastic_train.data.dataset import dataset_blocks, inspect_dataset
 from elastic_train.data.plan import StreamSpec
@@ -117,7 +117,7 @@ def _eval_worker(rank: int, world_size: int, data: str, out: str) -> None:
     module = LossModule(build_model(MODEL, 128))
     cfg = load_config(None, [*EVAL, f"data.path={data}"])
     held = data_tables(cfg, inspect_dataset(data)).eval
-    spec = StreamSpec(4, cfg.data.micro_batch_tokens, cfg.data.shuffle_window, 0)
+    spec = StreamSpec(4, batch_tokens(cfg)[0], cfg.data.shuffle_window, 0)
     setup = StepSetup(device=torch.device("cpu"), world_size=world_size)
     results = [evaluate(module, BlockReader(held), spec, list(range(rank, 4, world_size)),
                         setup=setup, max_batches=m) for m in (None, 1)]

@@ -67,12 +67,28 @@ def test_rounded_columns_train_the_same_tokens():
 
 
 def test_gpu_workers_get_device_defaults_and_cpu_workers_keep_theirs():
-    cpu = load_config(None, [])
+    cpu = load_config(None, [])  # the batch sizes follow from the data set (preflight/inputs.py)
     assert (cpu.train.precision, cpu.data.micro_batch_tokens, cpu.scaling.cpus_per_worker,
-            cpu.data.pad_multiple) == ("fp32", 2048, 1.0, 1)
+            cpu.data.pad_multiple) == ("fp32", None, 1.0, 1)
+    assert load_config(None, ["data.global_batch_tokens=16384"]).data.micro_batch_tokens == 2048
     gpu = load_config(None, ["scaling.use_gpu=true", "scaling.min_workers=1", "scaling.max_workers=1",
                              "data.global_batch_tokens=65536"])
     assert (gpu.train.precision, gpu.data.micro_batch_tokens, gpu.scaling.cpus_per_worker,
             gpu.data.pad_multiple) == ("bf16", 16384, 4.0, 64)
     mine = load_config(None, ["scaling.use_gpu=true", "train.precision=fp32", "data.micro_batch_tokens=4096"])
     assert (mine.train.precision, mine.data.micro_batch_tokens) == ("fp32", 4096)
+
+
+def test_batch_sizes_from_the_data_take_the_gpu_rule_on_gpu_workers():
+    """Both batch keys unset on GPU workers: the step's budget from the data set (the default
+    corpus: 16384, as on CPU), then the GPU's few, large micro-batches (config/devices.py)."""
+    from elastic_train.data.dataset import inspect_dataset
+    from elastic_train.data.prepare import default_corpus_dir
+    from elastic_train.preflight.inputs import fill_batch_tokens
+
+    info = inspect_dataset(str(default_corpus_dir()))
+    for gpu, micro in ((False, 2048), (True, 16384)):
+        cfg = load_config(None, [f"scaling.use_gpu={str(gpu).lower()}", "scaling.min_workers=1",
+                                 "scaling.max_workers=1", "data.max_seq_len=512"])
+        fill_batch_tokens(cfg, info)
+        assert (cfg.data.micro_batch_tokens, cfg.data.global_batch_tokens) == (micro, 16384)

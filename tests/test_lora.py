@@ -155,3 +155,127 @@ def test_qlora_loads_a_4bit_base_on_a_gpu_and_is_refused_by_name_without_one(wei
     assert model.peft.get_base_model().is_loaded_in_4bit
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     assert bytes(getattr(model, BASE_KEY).tolist()) == files_hash(weight_files(folder))
+
+
+def test_lora_on_the_embedded_gpt_trains_its_linear_targets():
+    """LoRA on a model that is not a transformers one (the embedded GPT, targets qkv and proj):
+    the model is called with the tokens as the loop calls it (not input_ids=), only adapters
+    get gradients, and they are what the state dict holds."""
+    import torch.nn.functional as F
+
+    cfg = load_config(None, ["model.lora.r=2", "model.lora.target_modules=[qkv, proj]",
+                             "model.vocab_size=256"])
+    model = build_model(cfg.model, 32)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    assert tuple(logits.shape) == (2, 16, 256)
+    F.cross_entropy(logits[:, :-1].reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)
+    assert any(n.endswith("qkv.lora_B.default.weight") for n in grads)
+    assert any(n.endswith("proj.lora_B.default.weight") for n in grads)
+    assert set(model.state_dict()) == {n for n, p in model.named_parameters()
+                                       if p.requires_grad} | {BASE_KEY}
+
+
+def test_a_resume_on_another_base_is_refused_before_ray_and_changes_nothing(
+        weights_folder, tmp_path, monkeypatch, capsys):
+    """A finished LoRA run (a checkpoint of adapters on base `one`, summary.json "finished")
+    trained on with model.path naming other weights: one error naming model.path and both
+    hashes, exit 2, before Ray starts, and every file of the run folder byte for byte the same
+    (config.yaml not rewritten, summary.json still "finished")."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import elastic_train.api
+    from elastic_train.cli import main
+    from elastic_train.data.prepare import prepare
+    from elastic_train.preflight.inputs import check_inputs
+    from elastic_train.training.checkpoint import snapshot, write_checkpoint
+
+    def tripwire(cfg):
+        raise AssertionError("the input was accepted: Ray would start now")
+
+    monkeypatch.setattr(elastic_train.api, "init_ray", tripwire)
+    (tmp_path / "src.txt").write_text("\n\n".join(f"line {i} " * 9 for i in range(200)))
+    prepare([tmp_path / "src.txt"], tmp_path / "data", max_seq_len=64)
+    other = weights_folder / "other"
+    shutil.copytree(weights_folder / "one", other)
+    weights = load_file(other / "model.safetensors")
+    weights["lm_head.weight"][0, 0] += 1
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    common = ["model.lora.r=4", "model.lora.target_modules=[q_proj, v_proj]", "model.name=hf",
+              f"data.path={tmp_path / 'data'}", f"run.storage_path={tmp_path / 'runs'}",
+              "run.name=sft", "train.max_steps=2", "eval.fraction=0", "log.progress=none",
+              "checkpoint.keep_best=false", "data.max_seq_len=64"]
+    cfg = load_config(None, [*common, f"model.path={weights_folder / 'one'}"])
+    check_inputs(cfg)
+    model = build_model(cfg.model, cfg.data.max_seq_len)
+    snap = snapshot(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
+                    None, {"step": 2, "epoch": 0, "step_in_epoch": 2}, cfg.to_dict(), world_size=1)
+    run = tmp_path / "runs" / "sft"
+    write_checkpoint(snap, run / "checkpoint_000000002")
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    (run / "summary.json").write_text(json.dumps({"status": "finished", "steps": 2}))
+    before = {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    assert main(["train", *common, f"model.path={other}", "train.max_steps=4"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.path" in errors[0] and "another base model" in errors[0]
+    assert {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+    with pytest.raises(AssertionError, match="Ray would start now"):  # the same base: accepted
+        main(["train", *common, f"model.path={weights_folder / 'one'}", "train.max_steps=4"])
+
+
+def test_the_finetuning_pages_commands_pass_every_check_before_ray(tmp_path, monkeypatch):
+    """docs/finetuning.md's prepare and LoRA train commands, as written, on 300 chat examples
+    with a tiny Llama (a config.json) and a tokenizer trained here: prepare succeeds, and train
+    passes every check up to starting Ray (the tripwire), with data.max_seq_len and the batch
+    sizes taken from the data (rows far shorter than --max-seq-len 1024 and the model's 256
+    positions)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    import elastic_train.api
+    from elastic_train.cli import main
+
+    chats = [{"messages": [{"role": "user", "content": f"What is {i} times 3?"},
+                           {"role": "assistant", "content": f"{i} times 3 is {3 * i}."}]}
+             for i in range(300)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([m["content"] for c in chats for m in c["messages"]],
+                                trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"],
+                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                    show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>")
+    tok.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if m.role == "
+                         "'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok.save_pretrained(tmp_path / "model")
+    LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                tie_word_embeddings=True).save_pretrained(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", "sft.jsonl", "--output", "data/sft", "--tokenizer", "model",
+                 "--max-seq-len", "1024", "--eval-fraction", "0.05"]) == 0
+    resolved = {}
+
+    def tripwire(cfg):
+        resolved["data"] = cfg.data
+        raise AssertionError("the input was accepted: Ray would start now")
+
+    monkeypatch.setattr(elastic_train.api, "init_ray", tripwire)
+    with pytest.raises(AssertionError, match="Ray would start now"):
+        main(["train", "model.name=hf", "model.path=model", "data.path=data/sft",
+              "model.lora.r=16", "model.lora.alpha=32", "model.lora.target_modules=[q_proj, v_proj]",
+              "model.base_dtype=bf16", "eval.fraction=0.05", "run.name=my-sft"])
+    data = resolved["data"]
+    assert data.max_seq_len < 64 and data.micro_batch_tokens == 1 << (data.max_seq_len - 1).bit_length()
+    assert 2 <= data.global_batch_tokens // data.micro_batch_tokens <= 8

@@ -248,7 +248,7 @@ def test_foreign_parquet_with_huge_row_groups_is_refused_then_rechunked_by_prepa
     from elastic_train.data.dataset import inspect_dataset
 
     lengths = write_rows(tmp_path / "foreign", 600, rows_per_block=1000, files=2)
-    fix = "has 2 Parquet row groups.*elastic-train prepare .* --rows-per-block N"
+    fix = "has 2 Parquet row groups.*elastic-train prepare .* --rows-per-block 37\\)"
     with pytest.raises(ValueError, match=fix):
         check_blocks(table_of(tmp_path / "foreign"), K, str(tmp_path / "foreign"))
     assert main(["prepare", str(tmp_path / "foreign"), "--output", str(tmp_path / "rechunked"),

@@ -103,7 +103,7 @@ def test_round_trip_reconstructs_every_file(tmp_path):
                      "shards": len(list((tmp_path / "out").glob("part-*.parquet"))),
                      "source_files": 4,  # the empty file was read too
                      "skipped_binary_files": 0,
-                     "tokenizer": BYTES_RECORD, "token_type": "int16",
+                     "tokenizer": BYTES_RECORD, "token_type": "int16", "rows_per_block": 1,
                      "max_token_id": max(max(path.read_bytes()) for path in files)}
     assert table.schema.field("tokens").type == pa.list_(pa.int16())
     assert not (tmp_path / "out" / "tokenizer").exists()  # no copy of the byte tokenizer
@@ -373,7 +373,7 @@ def test_jsonl_through_the_cli_each_record_decodes_to_its_text_and_eos(
     jsonl = write_jsonl(tmp_path / "docs.jsonl", records, blank_lines=True)
     out = tmp_path / "out"
     argv = ["prepare", str(jsonl), "--output", str(out), "--max-seq-len", "16",
-            "--tokenizer", bpe_tokenizer]
+            "--tokenizer", bpe_tokenizer, "--eval-fraction", "0"]
     assert cli_main(argv) == 0
     stats = json.loads(capsys.readouterr().out)
     tokenizer = load_tokenizer(bpe_tokenizer)

@@ -128,7 +128,7 @@ def test_cli_engine_ray_writes_blocks_of_rows_per_block_and_dense_ids(ray_2cpu, 
     final line on stderr, the shards of the single-process prepare, row groups (training's
     blocks) of `--rows-per-block` rows, ids 0..N-1 each once."""
     argv = ["prepare", *inputs, "--output", f"file://{tmp_path}/ray", "--max-seq-len", "64",
-            "--rows-per-block", "16", "--seed", "3", "--engine", "ray"]
+            "--rows-per-block", "16", "--seed", "3", "--engine", "ray", "--eval-fraction", "0"]
     assert cli_main(argv) == 0
     captured = capsys.readouterr()
     stats = json.loads(captured.out)

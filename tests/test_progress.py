@@ -92,3 +92,29 @@ def test_format_line_and_eta():
     assert "loss 2.5000 eval 2.7500 (best 2.6250 @4) lr" in format_line(latest, [], 20, None, evaluated)
     assert _eta_s([(0.0, 2), (10.0, 7)], 7, 20) == pytest.approx(26.0)
     assert _eta_s([(0.0, 2)], 2, 20) is None
+
+
+def test_a_new_attempts_lines_wait_for_the_line_of_the_failure_that_began_it():
+    """The run watch's gate: a step line of attempt 1 is held back until the failure before it
+    has had its line; attempt 0's lines, and lines once the watch has stopped, pass."""
+    import io
+
+    from elastic_train.cluster.runwatch import RunWatch
+    from elastic_train.config import load_config
+    from elastic_train.observe.progress import Progress
+
+    watch = RunWatch(load_config(None), None, abort=lambda: None, describe_wait=lambda: "")
+    attempts = [{"attempt": 0, "world_size": 2, "start_time": 0.0},
+                {"attempt": 1, "world_size": 2, "start_time": 6.0}]
+    failures = [{"kind": "worker_died", "time": 5.0}]
+    step = {"step": 22, "epoch": 0, "loss": 3.0, "lr": 1e-3, "tokens_per_s": 10.0,
+            "world_size": 2, "attempt": 1}
+    assert watch.announced(failures, attempts, {**step, "attempt": 0})
+    assert not watch.announced(failures, attempts, step)
+    stream = io.StringIO()
+    progress = Progress(60, "lines", every_steps=1, interval_s=0.01, stream=stream)
+    progress.gate = watch.announced
+    progress._fetch = lambda: {"latest": step, "attempts": attempts, "failures": failures}
+    assert progress._poll(None, [])[0] is None  # held back
+    watch.printed.add(0)  # the failure's line is out
+    assert progress._poll(None, [])[0] == step

@@ -204,3 +204,54 @@ def test_both_engines_write_the_same_fine_tuning_shards(ray_2cpu, tmp_path, chat
             left = pq.read_table(tmp_path / "local" / side / name)
             right = pq.read_table(tmp_path / "ray" / side / name)
             assert left.equals(right) and "loss_mask" in left.column_names, name
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("null", ["prompt", "response"])
+def test_a_null_prompt_or_response_is_refused_by_record_and_field(tmp_path, capsys, null):
+    """One `{"prompt": null, ...}` among good records: exit 2, one error line naming the
+    file's line and the field, nothing written (not a row whose every token is a target)."""
+    records = [{"prompt": "Q:", "response": "yes"}] * 3
+    records.insert(1, {"prompt": "Q:", "response": "no", null: None})
+    write_jsonl(tmp_path / "a.jsonl", records)
+    status = cli_main(["prepare", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o"),
+                       "--engine", "local"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("error:")
+    assert "line 2" in err[0] and f"field '{null}' is null" in err[0]
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").rglob("*.parquet"))
+
+
+@pytest.mark.unit
+def test_prepare_says_why_it_dropped_every_example(tmp_path, capsys):
+    """All examples dropped (empty answers, prompts longer than --max-seq-len, a chat with no
+    assistant turn): the error counts each reason instead of 'no input text found'."""
+    write_jsonl(tmp_path / "a.jsonl", [
+        {"prompt": "Q?", "response": ""}, {"prompt": "P" * 40, "response": "x"},
+        {"prompt": "P" * 50, "response": "y"}])
+    status = cli_main(["prepare", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o"),
+                       "--max-seq-len", "16", "--engine", "local"])
+    err = capsys.readouterr().err
+    assert status == 2 and "no input text" not in err
+    assert "every one of the 3 fine-tuning example(s) was dropped" in err
+    assert "1 had no answer" in err and "2 had a prompt that fills --max-seq-len 16" in err
+
+
+@pytest.mark.unit
+def test_the_ray_engine_stages_carry_the_reasons_for_dropping(tmp_path):
+    """The Ray prepare's tokenize and summary stages (plain pyarrow, run here without Ray) carry
+    the drop reasons the driver's error counts."""
+    import pickle
+
+    from elastic_train.data.pieces import summarize_pieces, tokenize_pieces
+    from elastic_train.data.sft import RecordFields, SftCounts
+
+    path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "Q?", "response": ""},
+                                              {"prompt": "P" * 40, "response": "x"}])
+    group = json.dumps([{"piece": 0, "kind": "file", "path": str(path)}])
+    table = tokenize_pieces(pa.table({"pieces": [group]}), tokenizer_blob=pickle.dumps(
+        load_tokenizer(None)), max_seq_len=16, text_field=RecordFields(), token_type="int16")
+    record = summarize_pieces(table).to_pylist()[0]
+    counts = SftCounts(*(record[k] for k in ("examples", "truncated", "dropped", "no_answer",
+                                             "long_prompt")))
+    assert (counts.examples, counts.dropped, counts.no_answer, counts.long_prompt) == (2, 2, 1, 1)

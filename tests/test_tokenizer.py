@@ -89,3 +89,34 @@ def test_the_package_imports_without_the_hf_libraries():
             "import elastic_train.cli, elastic_train.data.prepare, elastic_train.data.tokenizer as t; "
             "assert t.load_tokenizer(None).encode('a') == [97]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_tokenizer_goes_through_prepare_and_export_whole(tmp_path):
+    """A transformers tokenizer folder with bos, eos, pad, an extra special token and a chat
+    template: the copy prepare keeps (`save`) and the one export writes from that copy
+    (`save_for_transformers`) load in transformers as the source does: the same special
+    tokens, chat template, and ids for a text holding them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["hello world, how are you"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>", "<pad>", "<tool>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    source = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                     pad_token="<pad>", extra_special_tokens=["<tool>"])
+    source.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    source.save_pretrained(tmp_path / "src")
+    load_tokenizer(tmp_path / "src").save(tmp_path / "prepared")  # what prepare keeps
+    load_tokenizer(tmp_path / "prepared").save_for_transformers(tmp_path / "export")
+    want = AutoTokenizer.from_pretrained(tmp_path / "src")
+    for folder in ("prepared", "export"):
+        got = AutoTokenizer.from_pretrained(tmp_path / folder)
+        assert (got.bos_token, got.eos_token, got.pad_token) == ("<s>", "</s>", "<pad>")
+        assert list(got.extra_special_tokens) == ["<tool>"] == list(want.extra_special_tokens)
+        assert got.all_special_tokens == want.all_special_tokens
+        assert got.chat_template == want.chat_template
+        text = "<s>hello <tool> world</s>"
+        assert got(text)["input_ids"] == want(text)["input_ids"]

@@ -22,6 +22,9 @@ Ray's output reaches a driver three ways:
   worker put ~50 such lines on the screen, and no line said what happened: runwatch.py prints
   one line per failure instead, and a run that fails for good shows the failing worker's
   traceback (api.py).
+- Nor do libraries' notices in the workers (`LibraryNoise`): bitsandbytes' missing CPU kernel,
+  c10d's and NCCL's start-up notices, progress bars (transformers' "Loading weights"), future
+  and deprecation warnings with their source line.
 - Two WARNINGs of Ray's that say nothing to a user of a run (`RAY_NOISE`): token authentication
   being on, and "Found multiple active Ray instances" (40 of 57 lines of one job's log), from
   the driver's loggers or forwarded.
@@ -67,7 +70,9 @@ _PREEMPTION_WATCHER_ARGS = ("'PreemptionWatcher'", "constructor arguments in the
 
 
 RAY_NOISE = ("Found multiple active Ray instances", "Token authentication is enabled for this Ray",
-             "Token authentication is disabled for this Ray")
+             "Token authentication is disabled for this Ray",
+             # the GCS at shutdown, ending an actor whose process is gone already
+             "KillActor RPC failed for actor")
 # The first line of a report of Ray's on a failure: a traceback, Ray Train's worker error and its
 # controller's failed shutdown, the raylet's word on a dead worker.
 _FAILURE_REPORT = re.compile(r"^(Traceback \(most recent call last\):|Error in training function:|"
@@ -77,6 +82,57 @@ _FAILURE_REPORT = re.compile(r"^(Traceback \(most recent call last\):|Error in t
 # chained-exception headers, blank lines.
 _REPORT_GOES_ON = re.compile(r"^(\s|$|\^|[\w.]+(Error|Exception|Interrupt|Exit)\b|During handling|"
                              r"The above exception|The actor is dead because|Traceback )")
+
+
+# Libraries' notices in the workers that say nothing to a user of a run (issue 38): bitsandbytes'
+# failed optional CPU kernel (printed on every import), c10d's hostname notice on GPU workers, Ray
+# Train's NCCL flight recorder on CPU workers. They stay in ray.log.
+LIBRARY_NOISE = ("Failed to load CPU gemm_4bit_forward", "The hostname of the client socket cannot "
+                 "be retrieved", "Unable to reset NCCL flight recorder")
+# A progress bar (tqdm's format: transformers' "Loading weights", safetensors' writes ...):
+# "Loading weights: 100%|██████████| 3/3 [00:00<00:00, 120.5it/s]"
+_PROGRESS_BAR = re.compile(r"\d+%\|[^|]*\|\s*[\d.]+[kMG]?/[\d.?]+[kMG]?\s*\[")
+# A Python warning's first line, "path.py:12: FutureWarning: ...", of the kinds libraries emit
+# about their own future; its next line is the source line (indented)
+_LIBRARY_WARNING = re.compile(r"\.py:\d+: (FutureWarning|DeprecationWarning|PendingDeprecationWarning)"
+                              r": ")
+
+
+class LibraryNoise:
+    """Which forwarded lines are libraries' notices (`LIBRARY_NOISE`, progress bars, future and
+    deprecation warnings with their source line), per process."""
+
+    def __init__(self) -> None:
+        self._in_warning: dict[Any, bool] = {}
+
+    def hides(self, source: Any, line: str) -> bool:
+        if _LIBRARY_WARNING.search(line):
+            self._in_warning[source] = True
+            return True
+        if self._in_warning.pop(source, False) and line[:1].isspace():
+            return True  # the warning's source line
+        return bool(_PROGRESS_BAR.search(line) or any(noise in line for noise in LIBRARY_NOISE))
+
+
+class LibraryNoiseFilter(logging.Filter):
+    """Keeps libraries' notices (`LIBRARY_NOISE`; future and deprecation warnings, which
+    `quiet_library_notices` routes through logging) off the driver's console handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.name == "py.warnings" and _LIBRARY_WARNING.search(message):
+            return False
+        return not any(noise in message for noise in LIBRARY_NOISE)
+
+
+def quiet_library_notices() -> None:
+    """The command line's console: Python's warnings through logging (`py.warnings`), and
+    libraries' notices (bitsandbytes' CPU kernel as the driver imports peft, transformers'
+    future warnings as it builds the meta model) kept off the root logger's handlers."""
+    logging.captureWarnings(True)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, LibraryNoiseFilter) for f in handler.filters):
+            handler.addFilter(LibraryNoiseFilter())
 
 
 class FailureReports:
@@ -187,7 +243,7 @@ def route_forwarded_lines(log: RayLog, verbose: bool) -> Callable[[], None]:
         if index is None:
             return lambda: None
         ray_print = handlers[index][1]
-        reports = FailureReports()
+        reports, noise = FailureReports(), LibraryNoise()
 
         def route(data: dict[str, Any]) -> None:
             if data.get("pid") == "autoscaler":
@@ -197,7 +253,7 @@ def route_forwarded_lines(log: RayLog, verbose: bool) -> Callable[[], None]:
             log.write(forwarded_lines(data))
             source = (data.get("ip"), data.get("pid"))
             shown = [line for line in data.get("lines", []) if verbose or not (
-                reports.hides(source, line) or is_ray_chatter(line))]
+                reports.hides(source, line) or noise.hides(source, line) or is_ray_chatter(line))]
             if shown:
                 ray_print({**data, "lines": shown})
 

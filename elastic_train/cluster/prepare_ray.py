@@ -89,12 +89,12 @@ from elastic_train.data.pieces import (
     tokenize_pieces,
 )
 from elastic_train.data.prepare import (
-    ROWS_PER_BLOCK,
     _check_arguments,
     _check_output_free,
     folder_stats,
 )
-from elastic_train.data.sft import RecordFields, SftCounts
+from elastic_train.data.rowgroups import auto_rows_per_block
+from elastic_train.data.sft import SFT_COUNTS, RecordFields, SftCounts
 from elastic_train.data.sources import (
     PathLike,
     collect_input_files,
@@ -330,7 +330,7 @@ def _tokenize_all(files: list[Path], tokenizer: Tokenizer, cpus: int, max_seq_le
     doc_rows = [np.zeros(0, dtype=np.int64) for _ in pieces]
     sft, masked = SftCounts(), False
     for record in summary:
-        sft.add(SftCounts(record["examples"], record["truncated"], record["dropped"]))
+        sft.add(SftCounts(*(record[key] for key in SFT_COUNTS)))
         masked = masked or record["masked"] > 0
         piece, first, counts = record["piece"], record["first_doc"], record["doc_rows"]
         rows[piece] += record["rows"]
@@ -404,7 +404,7 @@ def prepare_ray(
     *,
     max_seq_len: int = 256,
     rows_per_shard: int = 20000,
-    rows_per_block: int = ROWS_PER_BLOCK,
+    rows_per_block: int | None = None,
     seed: int = 0,
     tokenizer: Tokenizer | PathLike | None = None,
     text_field: str = "text",
@@ -430,17 +430,17 @@ def prepare_ray(
         tokenizer = load_tokenizer(tokenizer)
     skipped: list[tuple[Path, str]] = []
     files = collect_input_files(inputs, skipped)
-    no_text = no_text_message(inputs, skipped)
     if not files:
-        raise ValueError(no_text)
+        raise ValueError(no_text_message(inputs, skipped))
     started = time.perf_counter()
     with _ray_cluster(num_cpus) as cpus, _data_context(progress):
         fields = RecordFields(text=text_field, prompt=prompt_field, response=response_field)
         pieces, tokenized, rows, tokens, top, doc_rows, sft, masked = _tokenize_all(
             files, tokenizer, cpus, max_seq_len, fields)
         if rows.sum() == 0:
-            raise ValueError(no_text)
+            raise ValueError(no_text_message(inputs, skipped, sft, max_seq_len))
         warn_skipped(skipped)
+        rows_per_block = rows_per_block or auto_rows_per_block(int(rows.sum()))
         held = held_documents(sum(len(counts) for counts in doc_rows), eval_fraction, seed)
         token_type = token_type_for(max(int(tokenizer.vocab_size) - 1, int(top.max())))
         _create_output(fs, root, str(output), tokenizer, bool(held.any()))
@@ -449,7 +449,7 @@ def prepare_ray(
             rows_per_shard=rows_per_shard, rows_per_block=rows_per_block, target=target,
             names=[str(file) for file in files], token_type=token_type, with_mask=masked)
     common = {"max_seq_len": max_seq_len, "source_files": len(files), "skipped": len(skipped),
-              "tokenizer": tokenizer, "token_type": token_type,
+              "tokenizer": tokenizer, "token_type": token_type, "rows_per_block": rows_per_block,
               "sft": sft.record() if sft.examples else None}
     train_shards = -(-train_rows // rows_per_shard)
     stats = {**folder_stats(_side_counts(written[:train_shards]), **common), "engine": "ray"}

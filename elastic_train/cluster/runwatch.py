@@ -101,6 +101,17 @@ class RunWatch:
     def _print(self, line: str) -> None:
         print(line, file=self.stream, flush=True)
 
+    def announced(self, failures: list[dict], attempts: list[dict], latest: dict) -> bool:
+        """Whether every failure before the attempt of the step record `latest` has had its
+        line (the progress display holds that attempt's lines back until then, so a failure's
+        line comes before the lines of the attempt it caused)."""
+        start = next((a["start_time"] for a in attempts if a.get("attempt") == latest.get("attempt")),
+                     None)
+        if start is None or self._stop.is_set():
+            return True
+        return all(i in self.printed for i, failure in enumerate(failures)
+                   if failure["kind"] != "start_timeout" and failure["time"] < start)
+
     def poll(self, final: bool = False) -> None:
         try:
             state = ray.get(self.runlog.progress.remote(), timeout=RAY_CALL_TIMEOUT_S)

@@ -30,6 +30,7 @@ from elastic_train.config.validate import (
     GPT_KWARGS,
     GRAD_COMPRESSIONS,
     ReduceChoice,
+    batch_tokens,
     check_compression,
     check_run_name,
     choose_grad_reduce,
@@ -43,7 +44,7 @@ from elastic_train.config.validate import (
 __all__ = [
     "DEFAULT_CONFIG_PATH", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
     "FaultConfig", "GPT_KWARGS", "GRAD_COMPRESSIONS", "LogConfig", "ModelConfig", "OptimConfig",
-    "ReduceChoice", "RunConfig", "ScalingConfig", "TrainConfig", "check_compression",
+    "ReduceChoice", "RunConfig", "ScalingConfig", "TrainConfig", "batch_tokens", "check_compression",
     "check_run_name", "choose_grad_reduce", "config_from_dict", "config_changes", "eval_enabled",
     "fault_schedule", "gpt_config", "load_config", "num_partitions", "parse_override", "validate",
 ]

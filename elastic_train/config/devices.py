@@ -39,7 +39,9 @@ def resolve_device_defaults(cfg: Any) -> None:
     gpu = bool(cfg.scaling.use_gpu)
     if cfg.train.precision == "auto":
         cfg.train.precision = "bf16" if gpu else "fp32"
-    if cfg.data.micro_batch_tokens is None:
+    # with data.global_batch_tokens unset too, both follow from the data set once it is known
+    # (preflight/inputs.py fill_batch_tokens, which then applies the GPU rule below)
+    if cfg.data.micro_batch_tokens is None and cfg.data.global_batch_tokens is not None:
         cfg.data.micro_batch_tokens = (
             gpu_micro_batch_tokens(cfg.data.global_batch_tokens, cfg.scaling.max_workers,
                                    cfg.data.max_seq_len) if gpu else CPU_MICRO_BATCH_TOKENS)

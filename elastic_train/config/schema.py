@@ -66,14 +66,19 @@ class DataConfig:
     # longest row, in tokens (prepare splits longer documents); None: the data set's own, as
     # `_prepare.json` records it (else its longest row), filled in before the run starts
     max_seq_len: int | None = None
-    # padded tokens (rows x longest row) in one micro-batch; None: 2048 on CPU, on GPU the largest
-    # divisor of global_batch_tokens up to 16384 that gives every worker one (config/devices.py)
+    # padded tokens (rows x longest row) in one micro-batch; None: from the data set on CPU (the
+    # longest row, about 1/256 of its tokens, at most 2048: preflight/inputs.py), on GPU the
+    # largest divisor of global_batch_tokens up to 16384 that gives every worker one
+    # (config/devices.py)
     micro_batch_tokens: int | None = None
     # a micro-batch's columns padded up to a multiple of this on the device (never past
     # max_seq_len), so that its shapes repeat; the padding figures count the rows' own padding
     # only. None: 64 on GPU workers, 1 (no rounding) on CPU
     pad_multiple: int | None = None
-    global_batch_tokens: int = 16384  # padded-token budget of one optimizer step, any world size
+    # padded-token budget of one optimizer step, any world size; None: from the data set (about
+    # 1/32 of its tokens, between scaling.max_workers and 8 micro-batches), filled in before the
+    # run starts
+    global_batch_tokens: int | None = None
     shuffle_window: int = 1024  # rows shuffled, sorted by length and bucketed together
     prefetch_steps: int = 2  # steps assembled ahead of the loop by a background thread
     pad_id: int | None = None  # token that pads rows; None: the data set's tokenizer pad id, else 0

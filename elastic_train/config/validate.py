@@ -236,11 +236,17 @@ def _validate_data(d: DataConfig, s: ScalingConfig) -> None:
     _at_least("data.seed", d.seed, 0)
     _require(d.max_seq_len is None or d.max_seq_len >= 2,
              f"data.max_seq_len must be >= 2, got {d.max_seq_len}")
+    _at_least("data.micro_batch_tokens", d.micro_batch_tokens, 1)
+    _at_least("data.global_batch_tokens", d.global_batch_tokens, 1)
     _require(
-        d.max_seq_len is None or d.micro_batch_tokens >= d.max_seq_len,
+        d.max_seq_len is None or d.micro_batch_tokens is None
+        or d.micro_batch_tokens >= d.max_seq_len,
         f"data.micro_batch_tokens ({d.micro_batch_tokens}) is smaller than data.max_seq_len "
         f"({d.max_seq_len}): the longest row would not fit in a micro-batch",
     )
+    if d.micro_batch_tokens is None or d.global_batch_tokens is None:
+        _validate_data_rest(d)
+        return  # from the data set: checked once filled in (preflight/inputs.py)
     _require(
         d.global_batch_tokens % d.micro_batch_tokens == 0,
         f"data.global_batch_tokens ({d.global_batch_tokens}) is not a multiple of "
@@ -253,6 +259,10 @@ def _validate_data(d: DataConfig, s: ScalingConfig) -> None:
         f"scaling.max_workers ({s.max_workers}): it holds {partitions} micro-batches of "
         f"data.micro_batch_tokens ({d.micro_batch_tokens}); it needs at least one per worker",
     )
+    _validate_data_rest(d)
+
+
+def _validate_data_rest(d: DataConfig) -> None:
     _require(d.shuffle_window >= 1, f"data.shuffle_window must be >= 1, got {d.shuffle_window}")
     _require(d.prefetch_steps >= 1, f"data.prefetch_steps must be >= 1, got {d.prefetch_steps}")
     _at_least("data.pad_id", d.pad_id, 0)
@@ -402,6 +412,20 @@ def _validate_lora(m: ModelConfig) -> None:
              f"model.name=hf (got {m.name!r})")
 
 
+# What data.micro_batch_tokens and data.global_batch_tokens stand for where a config is used
+# without the driver's checks, which fill them in from the data set (preflight/inputs.py)
+UNFILLED_BATCH_TOKENS = (2048, 16384)
+
+
+def batch_tokens(cfg: Config) -> tuple[int, int]:
+    """(data.micro_batch_tokens, data.global_batch_tokens), `UNFILLED_BATCH_TOKENS` for those
+    unset: the driver fills them in from the data set before any worker starts."""
+    d = cfg.data
+    return (d.micro_batch_tokens or UNFILLED_BATCH_TOKENS[0],
+            d.global_batch_tokens or UNFILLED_BATCH_TOKENS[1])
+
+
 def num_partitions(cfg: Config) -> int:
     """Canonical data partitions K: one micro-batch of each makes one global step."""
-    return cfg.data.global_batch_tokens // cfg.data.micro_batch_tokens
+    micro, total = batch_tokens(cfg)
+    return total // micro

@@ -46,12 +46,14 @@ def check_blocks(table: BlockTable, num_partitions: int, shown: str) -> None:
     """Refuse a data set with too few blocks for its partitions to be balanced."""
     need = MIN_BLOCKS_PER_PARTITION * num_partitions
     if len(table) < need:
+        rows = int(table.rows.sum())
+        rechunk = (f"re-chunk it into smaller row groups (elastic-train prepare {shown} --output "
+                   f"NEW_FOLDER --rows-per-block {rows // need}), or " if rows >= need else "")
         raise ValueError(
             f"data set {shown} has {len(table)} Parquet row groups, fewer than the {need} this run "
             f"needs ({MIN_BLOCKS_PER_PARTITION} per data partition, {num_partitions} partitions): "
-            f"re-chunk it into smaller row groups (elastic-train prepare {shown} --output NEW_FOLDER "
-            f"--rows-per-block N), "
-            f"or lower data.global_batch_tokens / data.micro_batch_tokens")
+            f"{rechunk}lower data.global_batch_tokens / data.micro_batch_tokens (the partitions "
+            "are their ratio)")
 
 
 @dataclass

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elastic_train.data.dataset import INT16_MAX
-from elastic_train.data.sft import RecordFields, as_fields
+from elastic_train.data.sft import SFT_COUNTS, RecordFields, as_fields
 from elastic_train.data.sources import (
     PARQUET_BATCH_ROWS,
     Gathered,
@@ -47,8 +47,8 @@ def tokenized_schema(token_type: str) -> pa.Schema:
     return pa.schema([("piece", pa.int32()), ("row", pa.int64()),
                       ("tokens", pa.list_(pa.from_numpy_dtype(np.dtype(token_type)))),
                       ("offset", pa.int64()), ("doc", pa.int64()), ("error", pa.string()),
-                      ("loss_mask", pa.list_(pa.int8())), ("examples", pa.int64()),
-                      ("truncated", pa.int64()), ("dropped", pa.int64())])
+                      ("loss_mask", pa.list_(pa.int8())),
+                      *((name, pa.int64()) for name in SFT_COUNTS)])
 
 
 def token_type_for(widest: int) -> np.dtype:
@@ -109,8 +109,8 @@ def _piece_table(index: int, gathered: Gathered, token_type: str, schema: pa.Sch
     if sft.examples:
         tables.append(pa.table({
             "piece": [index], "row": [-2], "tokens": [[]], "offset": [-1], "doc": [-1],
-            "error": [None], "loss_mask": [None], "examples": [sft.examples],
-            "truncated": [sft.truncated], "dropped": [sft.dropped]}, schema=schema))
+            "error": [None], "loss_mask": [None],
+            **{name: [getattr(sft, name)] for name in SFT_COUNTS}}, schema=schema))
     if len(spans) == 0:
         return pa.concat_tables(tables)
     # gather_rows stores the rows back to back: row i is values[spans[i, 2]:spans[i, 3]].
@@ -124,7 +124,7 @@ def _piece_table(index: int, gathered: Gathered, token_type: str, schema: pa.Sch
         "row": pa.array(np.arange(len(spans), dtype=np.int64)),
         "tokens": tokens, "offset": pa.array(spans[:, 1]), "doc": pa.array(spans[:, 4]),
         "error": pa.nulls(len(spans), pa.string()), "loss_mask": masks,
-        "examples": zeros, "truncated": zeros, "dropped": zeros}, schema=schema))
+        **dict.fromkeys(SFT_COUNTS, zeros)}, schema=schema))
     return pa.concat_tables(tables)
 
 
@@ -147,7 +147,7 @@ def tokenize_pieces(batch: pa.Table, *, tokenizer_blob: bytes, max_seq_len: int,
         except ValueError as exc:
             tables.append(pa.table({"piece": [index], "row": [-1], "tokens": [[]], "offset": [-1],
                                     "doc": [-1], "error": [str(exc)], "loss_mask": [None],
-                                    "examples": [0], "truncated": [0], "dropped": [0]},
+                                    **{name: [0] for name in SFT_COUNTS}},
                                    schema=schema))
             continue
         tables.append(_piece_table(index, gathered, token_type, schema))
@@ -162,13 +162,13 @@ def summarize_pieces(table: pa.Table) -> pa.Table:
     pieces = table.column("piece").to_numpy()
     counts_row = table.column("row").to_numpy() == -2
     masked = table.column("loss_mask").is_valid().to_numpy(zero_copy_only=False)
-    sft = {name: table.column(name).to_numpy() for name in ("examples", "truncated", "dropped")}
+    sft = {name: table.column(name).to_numpy() for name in SFT_COUNTS}
     docs = table.column("doc").to_numpy()
     lengths = pc.list_value_length(table.column("tokens")).to_numpy(zero_copy_only=False)
     errors = table.column("error").to_pylist()
     summary: dict[str, list] = {"piece": [], "rows": [], "tokens": [], "max_token": [], "error": [],
-                                "first_doc": [], "doc_rows": [], "masked": [], "examples": [],
-                                "truncated": [], "dropped": []}
+                                "first_doc": [], "doc_rows": [], "masked": [],
+                                **{name: [] for name in SFT_COUNTS}}
     for piece in np.unique(pieces):
         chosen = (pieces == piece) & ~counts_row
         for name, values in sft.items():
@@ -187,8 +187,8 @@ def summarize_pieces(table: pa.Table) -> pa.Table:
     return pa.table(summary, schema=pa.schema([
         ("piece", pa.int64()), ("rows", pa.int64()), ("tokens", pa.int64()),
         ("max_token", pa.int64()), ("error", pa.string()), ("first_doc", pa.int64()),
-        ("doc_rows", pa.list_(pa.int64())), ("masked", pa.int64()), ("examples", pa.int64()),
-        ("truncated", pa.int64()), ("dropped", pa.int64())]))
+        ("doc_rows", pa.list_(pa.int64())), ("masked", pa.int64()),
+        *((name, pa.int64()) for name in SFT_COUNTS)]))
 
 
 def mask_column(tokens: pa.ListArray, masks: pa.ChunkedArray) -> pa.ListArray:

@@ -51,6 +51,7 @@ from elastic_train.data.heldout import (
     row_ids,
     split_record,
 )
+from elastic_train.data.rowgroups import auto_rows_per_block
 from elastic_train.data.sft import RecordFields
 from elastic_train.data.sources import (
     PathLike,
@@ -61,9 +62,6 @@ from elastic_train.data.sources import (
 )
 from elastic_train.data.tokenizer import Tokenizer, load_tokenizer
 
-# Rows per Parquet row group: the unit a training rank reads alone (blocks.py). Small enough that
-# every data partition gets many, large enough that a footer stays small.
-ROWS_PER_BLOCK = 128
 DEFAULT_CORPUS_BYTES = 4_000_000
 # Part of the default corpus's cache folder name: bump it whenever the files chosen, the way
 # they are cut or what `_prepare.json` records changes, so that a corpus cached by an older
@@ -126,12 +124,13 @@ def _write_folder(folder: Path, spans: np.ndarray, values: np.ndarray, *, first_
 
 
 def folder_stats(counts: dict, *, max_seq_len: int, source_files: int, skipped: int,
-                 tokenizer: Tokenizer, token_type: np.dtype, sft: dict | None = None) -> dict:
+                 tokenizer: Tokenizer, token_type: np.dtype, rows_per_block: int,
+                 sft: dict | None = None) -> dict:
     """The `_prepare.json` of one prepared folder (both engines write it); `sft`: the
     fine-tuning examples' counts, when there were any."""
     stats = {**counts, "max_seq_len": max_seq_len, "source_files": source_files,
              "skipped_binary_files": skipped, "tokenizer": _tokenizer_record(tokenizer),
-             "token_type": token_type.name}
+             "token_type": token_type.name, "rows_per_block": rows_per_block}
     return {**stats, "sft": sft} if sft else stats
 
 
@@ -147,7 +146,7 @@ def prepare(
     *,
     max_seq_len: int = 256,
     rows_per_shard: int = 20000,
-    rows_per_block: int = ROWS_PER_BLOCK,
+    rows_per_block: int | None = None,
     seed: int = 0,
     tokenizer: Tokenizer | PathLike | None = None,
     text_field: str = "text",
@@ -157,7 +156,8 @@ def prepare(
 ) -> dict:
     """Turn text files, JSONL and Parquet files, or folders of them, into shuffled Parquet
     shards of tokens (a folder of Parquet that is tokenized already, with id/tokens/length and
-    no text column, is only re-chunked into `rows_per_block`-row groups: `rechunk.py`): UTF-8
+    no text column, is only re-chunked into `rows_per_block`-row groups: `rechunk.py`; None:
+    `auto_rows_per_block` of the rows, the same for the held-out set): UTF-8
     bytes, or `tokenizer`'s (a Tokenizer, or a path `load_tokenizer`
     loads) with its EOS after each document. `text_field` names the text of JSONL/Parquet;
     records holding `prompt_field` and `response_field`, or `messages`, are fine-tuning
@@ -188,8 +188,9 @@ def prepare(
     fields = RecordFields(text=text_field, prompt=prompt_field, response=response_field)
     values, spans, mask, sft = gather_rows(files, tokenizer, max_seq_len, fields)
     if len(spans) == 0:
-        raise ValueError(no_text_message(inputs, skipped))
+        raise ValueError(no_text_message(inputs, skipped, sft, max_seq_len))
     warn_skipped(skipped)
+    rows_per_block = rows_per_block or auto_rows_per_block(len(spans))
     held = held_documents(int(spans[-1, 4]) + 1, eval_fraction, seed)
     ids, train_rows = row_ids(held[spans[:, 4]], seed)
     order = np.empty_like(ids)
@@ -202,7 +203,7 @@ def prepare(
     except OSError as exc:
         raise ValueError(f"output '{out}' cannot be created: {exc.strerror or exc}") from None
     common = {"max_seq_len": max_seq_len, "source_files": len(files), "skipped": len(skipped),
-              "tokenizer": tokenizer, "token_type": token_type,
+              "tokenizer": tokenizer, "token_type": token_type, "rows_per_block": rows_per_block,
               "sft": sft.record() if sft.examples else None}
     write = {"names": [str(file) for file in files], "token_type": token_type,
              "rows_per_shard": rows_per_shard, "rows_per_block": rows_per_block, "mask": mask}
@@ -223,10 +224,10 @@ def prepare(
     return stats
 
 
-def _check_arguments(max_seq_len: int, rows_per_shard: int, rows_per_block: int, seed: int,
+def _check_arguments(max_seq_len: int, rows_per_shard: int, rows_per_block: int | None, seed: int,
                      eval_fraction: float) -> None:
     """ValueError naming the argument that cannot be used (both engines check these)."""
-    if rows_per_block < 1:
+    if rows_per_block is not None and rows_per_block < 1:
         raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
     if max_seq_len < 1 or rows_per_shard < 1:
         raise ValueError(f"max_seq_len ({max_seq_len}) and rows_per_shard ({rows_per_shard}) "

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elastic_train.data.dataset import STATS_FILE, TOKENIZER_DIR, inspect_dataset
+from elastic_train.data.rowgroups import auto_rows_per_block
 
 
 def is_token_dataset(inputs, text_field: str) -> bool:
@@ -31,9 +32,11 @@ def is_token_dataset(inputs, text_field: str) -> bool:
     return {"id", "tokens", "length"} <= set(names) and text_field not in names
 
 
-def rechunk(source: str | Path, output: str | Path, rows_per_block: int) -> dict:
-    """Write `source`'s shards again with row groups of `rows_per_block` rows; the stats."""
+def rechunk(source: str | Path, output: str | Path, rows_per_block: int | None) -> dict:
+    """Write `source`'s shards again with row groups of `rows_per_block` rows (None:
+    `prepare.auto_rows_per_block` of the training rows, the held-out set alike); the stats."""
     info = inspect_dataset(str(source))
+    rows_per_block = rows_per_block or auto_rows_per_block(info.rows)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     tokens = 0

@@ -14,6 +14,21 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+# Rows per Parquet row group that prepare writes: the unit a training rank reads alone
+# (blocks.py). Small enough that every data partition gets many, large enough that a footer
+# stays small.
+ROWS_PER_BLOCK = 128
+# Without --rows-per-block a data set gets at least this many row groups when it has the rows
+# (`auto_rows_per_block`): a run deals at least 2 blocks to each of its data partitions
+# (blocks.check_blocks), and the default config has 8, so a small corpus still trains as it is.
+TARGET_BLOCKS = 64
+
+
+def auto_rows_per_block(rows: int) -> int:
+    """Rows per row group for a data set of `rows` rows when none is asked for: ROWS_PER_BLOCK,
+    fewer when that would leave under TARGET_BLOCKS row groups (down to 1 row a group)."""
+    return max(1, min(ROWS_PER_BLOCK, rows // TARGET_BLOCKS))
+
 
 @dataclass(frozen=True)
 class BlockTable:

@@ -61,6 +61,10 @@ class Example:
     messages: tuple[dict, ...] | None = None
 
 
+# SftCounts' fields, in order: the Ray prepare carries them between its stages as columns
+SFT_COUNTS = ("examples", "truncated", "dropped", "no_answer", "long_prompt")
+
+
 @dataclass
 class SftCounts:
     """Fine-tuning examples read, truncated and dropped (`TRUNCATION_RULE`)."""
@@ -68,11 +72,29 @@ class SftCounts:
     examples: int = 0
     truncated: int = 0
     dropped: int = 0
+    # why each was dropped: no answer (an empty response, no assistant turn), or a prompt that
+    # fills max_seq_len before its answer begins
+    no_answer: int = 0
+    long_prompt: int = 0
 
     def add(self, other: SftCounts) -> None:
         self.examples += other.examples
         self.truncated += other.truncated
         self.dropped += other.dropped
+        self.no_answer += other.no_answer
+        self.long_prompt += other.long_prompt
+
+    def dropped_all(self, max_seq_len: int) -> str:
+        """Why no row is left when every example was dropped (prepare's error)."""
+        why = []
+        if self.no_answer:
+            why.append(f"{self.no_answer} had no answer (an empty response, or no assistant turn)")
+        if self.long_prompt:
+            why.append(f"{self.long_prompt} had a prompt that fills --max-seq-len {max_seq_len} "
+                       "before its answer begins (raise --max-seq-len)")
+        reasons = "; ".join(why) or f"{TRUNCATION_RULE}"
+        return (f"every one of the {self.examples} fine-tuning example(s) was dropped, nothing "
+                f"is left to train on: {reasons}")
 
     def record(self) -> dict:
         """The `sft` section of `_prepare.json`."""
@@ -108,8 +130,12 @@ def record_item(record: dict, where: str, fields: RecordFields) -> str | Example
         prompt, response = record[fields.prompt], record[fields.response]
         if prompt is None and response is None:
             return None
-        return Example(prompt=_string(prompt or "", where, fields.prompt),
-                       response=_string(response or "", where, fields.response))
+        for name, value in ((fields.prompt, prompt), (fields.response, response)):
+            if value is None:  # not an empty string: a broken record, not an example to train
+                raise ValueError(f"{where}: field '{name}' is null (a fine-tuning example needs "
+                                 f"both '{fields.prompt}' and '{fields.response}' as strings)")
+        return Example(prompt=_string(prompt, where, fields.prompt),
+                       response=_string(response, where, fields.response))
     if fields.messages in record:
         if record[fields.messages] is None:
             return None
@@ -213,11 +239,14 @@ def encode_example(example: Example, tokenizer: Tokenizer, max_seq_len: int,
     if eos is not None and (len(ids) == 0 or int(ids[-1]) != eos):
         ids = np.append(ids, np.asarray(eos, ids.dtype)).astype(ids.dtype)
         mask = np.append(mask, np.int8(ends_with_answer)).astype(np.int8)
+    answered = bool(mask.any())
     if len(ids) > max_seq_len:
         ids, mask = ids[:max_seq_len], mask[:max_seq_len]
         if mask.any():
             counts.truncated += 1
     if not mask.any():
         counts.dropped += 1
+        counts.long_prompt += answered
+        counts.no_answer += not answered
         return None
     return ids, mask

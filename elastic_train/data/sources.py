@@ -451,8 +451,12 @@ def gather_rows(files: Sequence[Path], tokenizer: Tokenizer, max_seq_len: int,
     return rows.finish()
 
 
-def no_text_message(inputs, skipped: list) -> str:
-    """The error for inputs that held no text (counting the binary files skipped)."""
+def no_text_message(inputs, skipped: list, sft: SftCounts | None = None,
+                    max_seq_len: int = 0) -> str:
+    """The error for inputs that held no text (counting the binary files skipped), or whose
+    every fine-tuning example was dropped (`sft`: saying why)."""
+    if sft is not None and sft.examples and sft.dropped == sft.examples:
+        return sft.dropped_all(max_seq_len)
     shown = ", ".join(f"'{item}'" for item in inputs) or "(no inputs given)"
     extra = f" (skipped {len(skipped)} binary file(s))" if skipped else ""
     return f"no input text found in {shown}{extra}"

@@ -88,12 +88,15 @@ class HFTokenizer:
     kind = "hf"
 
     def __init__(self, backend: Any, eos_id: int | None, pad_id: int | None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, config: dict | None = None) -> None:
         self.backend = backend  # a tokenizers.Tokenizer
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.chat_template = chat_template
+        # the source folder's tokenizer_config.json (its special tokens, bos included, extra
+        # special tokens, class, chat template ...), written back whole by `save`
+        self.config = dict(config or {})
 
     def token_text(self, token_id: int | None) -> str | None:
         """The text of a token id (the EOS a chat template writes), or None."""
@@ -116,18 +119,24 @@ class HFTokenizer:
         return None if token_id is None else self.backend.id_to_token(token_id)
 
     def save(self, folder: str | os.PathLike) -> None:
-        """Write `tokenizer.json` and a `tokenizer_config.json` naming the EOS and pad tokens
-        (which `transformers.AutoTokenizer` also loads, without transformers installed here)."""
+        """Write `tokenizer.json` and a `tokenizer_config.json`: the source's whole (bos, unk,
+        extra special tokens, class, chat template: what `transformers.AutoTokenizer` loads)
+        with the EOS and pad tokens used here, without transformers installed here."""
         Path(folder).mkdir(parents=True, exist_ok=True)
         self.backend.save(str(Path(folder) / "tokenizer.json"))
-        config = {"tokenizer_class": "PreTrainedTokenizerFast",
-                  "eos_token": self._token(self.eos_id), "pad_token": self._token(self.pad_id)}
+        config = {key: value for key, value in self.config.items() if key not in _PATH_KEYS}
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        config.update(eos_token=self._token(self.eos_id), pad_token=self._token(self.pad_id))
         if self.chat_template:
             config["chat_template"] = self.chat_template
         (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     def save_for_transformers(self, folder: str | os.PathLike) -> None:
-        """Write the files the installed `transformers` saves for this tokenizer."""
+        """Write the files `transformers` loads this tokenizer from: `save`'s when the source had
+        a tokenizer_config.json (kept whole), else those the installed `transformers` saves."""
+        if self.config:
+            self.save(folder)
+            return
         try:
             from transformers import PreTrainedTokenizerFast
         except ImportError as exc:
@@ -153,6 +162,24 @@ def _config_token(folder: Path, key: str) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
+
+
+# tokenizer_config.json keys that name where the source was, not what the tokenizer is
+_PATH_KEYS = ("name_or_path", "tokenizer_file", "auto_map")
+
+
+def _folder_config(folder: Path) -> dict:
+    """The folder's tokenizer_config.json, with the special tokens of its special_tokens_map.json
+    that the config does not name ({} without either)."""
+    config: dict = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins
+        try:
+            value = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(value, dict):
+            config.update(value)
+    return config
 
 
 def _chat_template(folder: Path) -> str | None:
@@ -188,7 +215,7 @@ def _from_tokenizer_json(file: Path) -> HFTokenizer:
     folder = file.parent
     eos = _special_id(backend, _config_token(folder, "eos_token"), EOS_NAMES)
     pad = _special_id(backend, _config_token(folder, "pad_token"), PAD_NAMES)
-    return HFTokenizer(backend, eos, pad, _chat_template(folder))
+    return HFTokenizer(backend, eos, pad, _chat_template(folder), _folder_config(folder))
 
 
 def _from_transformers(folder: Path) -> HFTokenizer:
@@ -204,7 +231,8 @@ def _from_transformers(folder: Path) -> HFTokenizer:
     pad = _special_id(backend, getattr(loaded, "pad_token", None), PAD_NAMES)
     template = getattr(loaded, "chat_template", None)
     return HFTokenizer(backend, eos, pad,
-                       template if isinstance(template, str) else _chat_template(folder))
+                       template if isinstance(template, str) else _chat_template(folder),
+                       _folder_config(folder))
 
 
 def load_tokenizer(path: str | os.PathLike | None, *, label: str = "--tokenizer") -> Tokenizer:

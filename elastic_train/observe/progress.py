@@ -57,6 +57,15 @@ class Progress:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._latest_eval: dict[str, Any] | None = None
+        # gate(failures, attempts, latest): False holds a line back (the driver's run watch has
+        # yet to print the line of the failure that began `latest`'s attempt: api.py)
+        self.gate: Callable[[list, list, dict], bool] = lambda failures, attempts, latest: True
+        self._failures: list[dict] = []
+
+    def set_total(self, total_steps: int) -> None:
+        """The steps the run will train (data/horizon.py: epochs and train.max_steps counted),
+        when known before it starts; the count shown and the ETA go to it."""
+        self.max_steps = total_steps
 
     def start(self, runlog, poll: Callable[[], dict[str, Any]]) -> None:
         """Call `poll()` (the RunLog's `progress()`: cluster/runlog.py's `poll_progress`) every
@@ -85,7 +94,8 @@ class Progress:
             return None, [], None
         latest = state["latest"]
         self._latest_eval = state.get("latest_eval")
-        if latest is None:
+        self._failures = state.get("failures", [])
+        if latest is None or not self.gate(self._failures, state["attempts"], latest):
             return None, state["attempts"], None
         if history and history[-1][1] > latest["step"]:
             history.clear()  # a restart went back to its checkpoint

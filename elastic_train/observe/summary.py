@@ -42,7 +42,8 @@ def eval_figures(evals: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     last = effective[max(effective)]
     best = min(effective.values(), key=lambda r: (r["eval_loss"], r["step"]))
-    return {"final_eval_loss": last["eval_loss"], "final_eval_perplexity": last.get("eval_perplexity"),
+    return {"final_eval_loss": last["eval_loss"], "final_eval_epoch": last.get("epoch"),
+            "final_eval_perplexity": last.get("eval_perplexity"),
             "best_eval_loss": best["eval_loss"], "best_step": best["step"],
             "eval_steps": sorted(effective)}
 
@@ -144,7 +145,11 @@ def ledger(records: list[dict], events: list[dict], start_time: float, end_time:
     return parts
 
 
-def build_summary(folder: str | Path, start_time: float, error: str | None = None) -> dict:
+def build_summary(folder: str | Path, start_time: float, error: str | None = None,
+                  limits: tuple[int, int] | None = None) -> dict:
+    """summary.json's content from the run folder's records. `limits`: (train.max_steps,
+    train.epochs), so a finished run says which one ended it (`ended_by`) and counts its epochs
+    as its evaluation records do (an epoch run to its end is completed)."""
     folder = Path(folder)
     end_time = time.time()
     records, evals = split_records(read_jsonl(folder / "metrics.jsonl"))
@@ -180,12 +185,25 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
         **eval_figures(evals),
         "startup": startup_breakdown(events, start_time),
     }
+    if limits is not None and not error and effective:
+        summary.update(_ended_by(summary["steps"], summary["epochs_completed"], evals, *limits))
     summary["goodput"] = summary["ledger"]["goodput"]
     summary.update(reduce_figures(events))
     summary.update(read_figures(events, sum(r.get("rows", 0) for r in effective.values())))
     summary.update(rank_figures(records, events))
     summary.update(compile_figures(events))
     return summary
+
+
+def _ended_by(steps: int, epoch: int, evals: list[dict], max_steps: int, epochs: int) -> dict:
+    """`ended_by` (the limit that ended a finished run) and `epochs_completed`. A step record's
+    epoch is the one it trained in; an evaluation after an epoch's end says the next one, as the
+    loop's state does: so a run ended by train.epochs completed them all, one ended by
+    train.max_steps those before its last step's (or those its last evaluation saw)."""
+    if steps >= max_steps:
+        seen = max([epoch, *(e.get("epoch", 0) for e in evals)])
+        return {"ended_by": "train.max_steps", "epochs_completed": seen}
+    return {"ended_by": "train.epochs", "epochs_completed": epochs}
 
 
 def attempt_counts(attempts: list[dict]) -> dict[str, int]:

@@ -159,6 +159,29 @@ def _probe_uri(uri: str) -> None:
         raise ConfigError(f"run.storage_path: cannot write to '{uri}': {detail}") from None
 
 
+def check_compile_cache(cfg: Config) -> None:
+    """train.compile_cache_dir, when set, can be a folder here: it is one, or the nearest part
+    of its path that exists is a folder this process may write in (the workers make it on their
+    nodes; nothing is created here). ConfigError naming the key otherwise."""
+    if not (cfg.train.compile and cfg.train.compile_cache_dir):
+        return
+    path = os.path.abspath(os.path.expanduser(cfg.train.compile_cache_dir))
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"train.compile_cache_dir: '{path}' is a folder this user cannot "
+                              "write in")
+        return
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"train.compile_cache_dir: '{parent}' is a file, so '{path}' cannot be "
+                          "a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"train.compile_cache_dir: '{path}' cannot be made: '{parent}' is not "
+                          "writable by this user")
+
+
 def check_storage(cfg: Config, timeout_s: float = STORAGE_PROBE_TIMEOUT_S) -> None:
     """run.storage_path can hold the run: a local folder is created (if absent) and must take a
     file; a URI must take a small file written and deleted within `timeout_s`. The run folder,

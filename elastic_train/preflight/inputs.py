@@ -13,12 +13,29 @@ from typing import Any
 import psutil
 import torch
 
-from elastic_train.config import Config, ConfigError, choose_grad_reduce, num_partitions, validate
+from elastic_train.config import (
+    Config,
+    ConfigError,
+    batch_tokens,
+    choose_grad_reduce,
+    num_partitions,
+    validate,
+)
+from elastic_train.config.devices import gpu_micro_batch_tokens
 from elastic_train.data.blocks import check_blocks
-from elastic_train.data.dataset import DatasetInfo, dataset_blocks, extra_columns, inspect_dataset
+from elastic_train.data.dataset import (
+    STATS_FILE,
+    DatasetInfo,
+    dataset_blocks,
+    extra_columns,
+    inspect_dataset,
+)
+from elastic_train.data.horizon import Horizon, plan_horizon
+from elastic_train.data.plan import StreamSpec
 from elastic_train.data.prepare import default_corpus_dir
 from elastic_train.data.rowgroups import BlockTable, hold_out
 from elastic_train.preflight.checks import (
+    check_compile_cache,
     check_gpu,
     check_reduce,
     check_sample_ids,
@@ -140,18 +157,99 @@ def _held_out(cfg: Config, info: DatasetInfo, table: BlockTable, warn: bool) -> 
     return DataTables(train, held, None)
 
 
+def run_horizon(cfg: Config, info: DatasetInfo) -> Horizon:
+    """The steps the run trains from step 0 and the limit that ends it (data/horizon.py), from
+    the training blocks it will read."""
+    spec = StreamSpec(num_partitions(cfg), batch_tokens(cfg)[0], cfg.data.shuffle_window,
+                      cfg.data.seed, cfg.data.bucketing)
+    return plan_horizon(data_tables(cfg, info).train, spec, cfg.train.max_steps, cfg.train.epochs)
+
+
 def fill_max_seq_len(cfg: Config, info: DatasetInfo) -> None:
-    """data.max_seq_len, when unset: the data set's, as prepared (else its longest row)."""
+    """data.max_seq_len, when unset: the longest row of the data set and of the held-out set
+    it evaluates on (no longer than prepare's --max-seq-len: a model sized for rows the data
+    does not have, e.g. position embeddings beyond a small Llama's, would be refused for
+    nothing); then the batch sizes left to the data (`fill_batch_tokens`)."""
     d = cfg.data
-    if d.max_seq_len is not None:
-        return
-    d.max_seq_len = max(info.max_seq_len or 0, info.max_length)
+    if d.max_seq_len is None:
+        d.max_seq_len = max(2, info.max_length, *_eval_max_lengths(cfg, info))
+    fill_batch_tokens(cfg, info)
     if d.micro_batch_tokens < d.max_seq_len:
         raise ConfigError(
             f"data.micro_batch_tokens ({d.micro_batch_tokens}) is smaller than the rows of "
             f"data set {info.path} (up to {d.max_seq_len} tokens: data.max_seq_len is unset, "
             "so the data set's): raise data.micro_batch_tokens, or prepare it with a smaller "
             "--max-seq-len")
+
+
+def _eval_max_lengths(cfg: Config, info: DatasetInfo) -> list[int]:
+    """The longest row of the set the run evaluates on, when it is one of its own."""
+    try:
+        if cfg.eval.fraction > 0 and info.eval_split is not None:
+            return [inspect_dataset(info.eval_split["path"]).max_length]
+        if cfg.eval.path:
+            return [inspect_dataset(cfg.eval.path).max_length]
+    except (ValueError, OSError):
+        return []  # data_tables names the key that fails
+    return []
+
+
+def fill_batch_tokens(cfg: Config, info: DatasetInfo) -> None:
+    """data.micro_batch_tokens and data.global_batch_tokens, when unset, from the data set's
+    training tokens T and longest row L (data.max_seq_len), so that a small data set trains as
+    prepared: a micro-batch holds the longest row and about T/256 tokens (at most 2048, as
+    powers of two), and a step K such micro-batches, K about T/32 / micro (between
+    scaling.max_workers and 8, and at most half the blocks: `check_blocks`). On the default
+    corpus (4 M tokens, rows of 512) that is 2048 and 16384, the values this had before."""
+    d, workers = cfg.data, cfg.scaling.max_workers
+    tokens = max(_training_tokens(info), 1)
+    micro = d.micro_batch_tokens
+    if micro is None:
+        fitting = _pow2_floor(tokens // 256)
+        if d.global_batch_tokens is not None:  # at least one micro-batch per worker
+            fitting = min(fitting, _pow2_floor(d.global_batch_tokens // workers))
+        micro = max(_pow2_ceil(d.max_seq_len), min(DEFAULT_MICRO_TOKENS, fitting))
+    if d.global_batch_tokens is None:
+        blocks = len(dataset_blocks(info))
+        k = min(MAX_AUTO_PARTITIONS, _pow2_floor(tokens // (32 * micro)), max(blocks // 2, 1))
+        d.global_batch_tokens = micro * max(k, workers)
+    if d.micro_batch_tokens is None:  # on GPU workers: few, large micro-batches (devices.py)
+        d.micro_batch_tokens = (gpu_micro_batch_tokens(d.global_batch_tokens, workers, d.max_seq_len)
+                                if cfg.scaling.use_gpu else micro)
+    validate(cfg)  # the filled values, as a set one would be
+
+
+def _training_tokens(info: DatasetInfo) -> int:
+    """The data set's tokens: as `_prepare.json` counts them, else the sum of its `length`
+    column (a data set made by another tool)."""
+    import json
+
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    try:
+        with info.filesystem.open_input_file(f"{info.path}/{STATS_FILE}") as handle:
+            return int(json.loads(handle.read())["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    total = 0
+    for file in info.files:
+        with info.filesystem.open_input_file(file) as handle:
+            total += int(pc.sum(pq.read_table(handle, columns=["length"]).column("length")).as_py()
+                         or 0)
+    return total
+
+
+DEFAULT_MICRO_TOKENS = 2048  # the most a micro-batch is given when data.micro_batch_tokens is unset
+MAX_AUTO_PARTITIONS = 8  # ... and the most partitions (micro-batches a step) then
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << max(int(n), 1).bit_length() - 1
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def fill_from_dataset(cfg: Config, info: DatasetInfo, eval_info: DatasetInfo | None = None) -> None:
@@ -183,10 +281,15 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     except ValueError as exc:
         raise ConfigError(f"data.path: {exc}") from None
     model = meta_model(cfg, model_fn)
-    if cfg.train.sharding == "fsdp":  # a class name that matches no module: before any worker
-        missing = missing_module_classes(model, cfg.model.shard_modules)
+    # a class name that matches no module: before any worker
+    for key, names, used in (("model.shard_modules", cfg.model.shard_modules,
+                              cfg.train.sharding == "fsdp"),
+                             ("train.compile_modules", cfg.train.compile_modules,
+                              cfg.train.compile)):
+        missing = missing_module_classes(model, names, key) if used else None
         if missing:
             raise ConfigError(missing)
+    check_compile_cache(cfg)
     check_model_tokenizer(cfg, info)
     check_model_fits_data(cfg, info, model)
     if tables.eval_info is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -46,8 +47,63 @@ def check_resumable(cfg: Config, ours: dict[str, list[int]],
                               f"another run.name, or the model config it was trained with")
         if info is not None:
             _check_same_data(cfg, info, state, fs, folder, name)
+        _check_same_base(cfg, fs, directory, name)
+        note = lr_change_note(cfg, state)
+        if note:
+            logger.warning(note)
         return state
     return None
+
+
+def lr_change_note(cfg: Config, state: dict[str, Any]) -> str | None:
+    """One line when the resume changes the learning-rate schedule at the resume step (another
+    train.max_steps moves the cosine's end; other optim.lr, warmup_steps or min_lr_ratio move
+    it too): the LR that step had under the checkpoint's config, and the one it gets now. The
+    schedule is the current config's (the horizon is not kept): a larger train.max_steps
+    stretches the cosine, so the LR of the resume step goes back up (docs/fault_tolerance.md)."""
+    from dataclasses import fields
+
+    from elastic_train.config import OptimConfig
+    from elastic_train.training.optim import lr_at
+
+    saved = state.get("config", {})
+    step = int(state.get("train_state", {}).get("step", 0))
+    known = {f.name for f in fields(OptimConfig)}
+    try:
+        old_optim = OptimConfig(**{k: v for k, v in saved.get("optim", {}).items() if k in known})
+        old_max = int(saved.get("train", {})["max_steps"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    before, after = lr_at(step, old_optim, old_max), lr_at(step, cfg.optim, cfg.train.max_steps)
+    if abs(before - after) <= 1e-12 * max(abs(before), 1.0):
+        return None
+    why = (f"train.max_steps {old_max} -> {cfg.train.max_steps} moves the schedule's end"
+           if old_max != cfg.train.max_steps else "the optim settings changed")
+    return (f"run {cfg.run.name}: resuming at step {step}, the learning rate goes from "
+            f"{before:.3g} to {after:.3g} ({why}; the schedule follows the current config)")
+
+
+def _check_same_base(cfg: Config, fs: pafs.FileSystem, directory: str, name: str) -> None:
+    """A LoRA run's adapters resume only on the base they were trained on (lora.py): for a base
+    loaded from the weights in model.path, its hash (basehash.py, cached per node, so the
+    workers do not hash it again) against the one the checkpoint holds, here before Ray starts
+    (the workers check again, and for a base built from its seed they alone can)."""
+    if not (cfg.model.lora.r > 0 and cfg.model.name == "hf" and cfg.model.path
+            and isinstance(fs, pafs.LocalFileSystem) and "://" not in cfg.model.path):
+        return
+    from elastic_train.training.basehash import folder_hash
+    from elastic_train.training.checkpoint import read_shards
+    from elastic_train.training.lora import BASE_KEY
+
+    ours = folder_hash(Path(cfg.model.path).expanduser())
+    saved = read_shards(directory, "model").get(BASE_KEY)
+    if ours is None or saved is None or bytes(saved.tolist()) == ours:
+        return
+    raise ConfigError(
+        f"model.path: run {cfg.run.name}'s checkpoint {name} holds LoRA adapters trained on "
+        f"another base model (base sha256 {bytes(saved.tolist()).hex()[:16]}..., "
+        f"'{cfg.model.path}' has {ours.hex()[:16]}...): resume on the base model.path it was "
+        "trained on, or use another run.name")
 
 
 def _check_same_data(cfg: Config, info: DatasetInfo, state: dict, fs: pafs.FileSystem,

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-from elastic_train.config import Config, num_partitions
+from elastic_train.config import Config, batch_tokens, num_partitions
 from elastic_train.data.batches import MicroBatch
 from elastic_train.data.blocks import BlockReader, Cursor, PartitionStream, make_reader
 from elastic_train.data.plan import StreamSpec, assign_blocks, owned_partitions
@@ -130,7 +130,7 @@ class Layout:
     @classmethod
     def of(cls, cfg: Config, world_size: int) -> Layout:
         return cls(num_partitions(cfg), world_size,
-                   cfg.data.micro_batch_tokens if cfg.data.record_ids else 0)
+                   batch_tokens(cfg)[0] if cfg.data.record_ids else 0)
 
     @property
     def cursors(self) -> int:

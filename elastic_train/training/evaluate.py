@@ -11,6 +11,7 @@ import torch
 
 from elastic_train.config import (
     Config,
+    batch_tokens,
     num_partitions,
 )
 from elastic_train.data.blocks import BlockReader, iter_rank_steps, make_reader
@@ -93,7 +94,7 @@ def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], at
     state = t.state
     reader = make_reader(cfg.data.reader, env.eval_table, env.extra_columns,
                          input_embedding_rows(t.raw_model))
-    spec = StreamSpec(num_partitions(cfg), cfg.data.micro_batch_tokens, cfg.data.shuffle_window,
+    spec = StreamSpec(num_partitions(cfg), batch_tokens(cfg)[0], cfg.data.shuffle_window,
                       cfg.data.seed, cfg.data.bucketing)
     result = evaluate(t.loss_module, reader, spec, partitions, setup=t.setup,
                       max_batches=cfg.eval.max_batches,

@@ -18,6 +18,7 @@ import torch
 
 from elastic_train.config import (
     Config,
+    batch_tokens,
     num_partitions,
 )
 from elastic_train.data.batches import Prefetcher
@@ -56,7 +57,7 @@ from elastic_train.training.step import TrainState, train_step
 
 
 def stream_spec(cfg: Config) -> StreamSpec:
-    return StreamSpec(num_partitions(cfg), cfg.data.micro_batch_tokens, cfg.data.shuffle_window,
+    return StreamSpec(num_partitions(cfg), batch_tokens(cfg)[0], cfg.data.shuffle_window,
                       cfg.data.seed, cfg.data.bucketing)
 
 

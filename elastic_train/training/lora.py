@@ -80,16 +80,21 @@ def base_hash(model: nn.Module, model_cfg: ModelConfig) -> bytes:
 class LoraModel(nn.Module):
     """A peft LoRA model whose state dict is its trainable adapters and the base's hash.
 
-    `forward(tokens)` returns the peft model's output (logits in `.logits`); `peft` is the
-    `PeftModel` itself (export saves or merges it)."""
+    `forward(tokens)` returns the peft model's output (logits in `.logits` for a transformers
+    model, what the base returns for any other `nn.Module`); `peft` is the `PeftModel` itself
+    (export saves or merges it). A transformers model is called as one (`input_ids=`, no KV
+    cache); any other module with the tokens alone, as the loop calls a model without LoRA."""
 
-    def __init__(self, peft_model: nn.Module, digest: bytes) -> None:
+    def __init__(self, peft_model: nn.Module, digest: bytes, transformers_call: bool = True) -> None:
         super().__init__()
         self.peft = peft_model
+        self.transformers_call = transformers_call
         self.register_buffer(BASE_KEY, torch.tensor(list(digest), dtype=torch.uint8))
 
     def forward(self, tokens: torch.Tensor, **kwargs: Any) -> Any:
-        return self.peft(input_ids=tokens, use_cache=False, **kwargs)
+        if self.transformers_call:
+            return self.peft(input_ids=tokens, use_cache=False, **kwargs)
+        return self.peft.get_base_model()(tokens, **kwargs)
 
     def _kept(self) -> set[str]:
         return {name for name, p in self.named_parameters() if p.requires_grad} | {BASE_KEY}
@@ -145,7 +150,10 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> LoraModel:
     for _, p in wrapped.named_parameters():  # adapters in fp32 whatever the base's dtype
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
-    return LoraModel(wrapped, digest)
+    # transformers models take input_ids= (peft's causal-LM wrapper expects it); the embedded
+    # GPT and a user's module take the tokens as their one positional argument
+    transformers_call = callable(getattr(model, "prepare_inputs_for_generation", None))
+    return LoraModel(wrapped, digest, transformers_call)
 
 
 def check_qlora(model: nn.Module, model_cfg: ModelConfig) -> None:

@@ -321,15 +321,17 @@ def token_loss_sum(
     return causal_lm_loss(model, make_batch(tokens, lengths.to(tokens.device)))
 
 
-def missing_module_classes(model: nn.Module, names: list[str]) -> str | None:
-    """Why `model.shard_modules` = `names` does not fit `model`: the class names of which it has
-    no module, and the classes it has; None when every name matches a module. The driver checks
-    it on the meta model (preflight), the worker again before sharding (sharding.find_blocks)."""
+def missing_module_classes(model: nn.Module, names: list[str],
+                           key: str = "model.shard_modules") -> str | None:
+    """Why `key` (model.shard_modules, train.compile_modules) = `names` does not fit `model`:
+    the class names of which it has no module, and the classes it has; None when every name
+    matches a module. The driver checks it on the meta model (preflight), the worker again
+    before sharding or compiling (sharding.find_blocks, compile.compile_model)."""
     classes = {type(m).__name__ for m in model.modules() if m is not model}
     missing = [name for name in names if name not in classes]
     if not missing:
         return None
-    return (f"model.shard_modules: no module of class {', '.join(missing)} in "
+    return (f"{key}: no module of class {', '.join(missing)} in "
             f"{type(model).__name__} (its classes: {', '.join(sorted(classes))})")
 
 
