@@ -107,7 +107,7 @@ class LoraShardedReduce(ShardedReduce):
             return row_norm(self.params, 0, 1, self.device)
         return float(torch.nn.utils.get_total_norm([p.grad for p in self.params]))
 
-    def clip_(self, max_norm: float) -> float:
+    def clip_(self, max_norm: float) -> torch.Tensor | float:
         """As the unsharded step clips (exact: `clip_rows`, step.optimizer_step): every rank
         holds the same whole gradient."""
         if self.exact:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from elastic_train.config import Config
+from elastic_train.config import Config, batch_tokens
 from elastic_train.training.optim import (
     COMM_HOOK_STATE_BYTES,
     OPTIMIZER_STATE_BYTES,
@@ -125,7 +125,7 @@ class RankNeed:
 
 def activation_bytes(shapes: ModelShapes, cfg: Config) -> float:
     """The stated activation estimate of one micro-batch (module docstring)."""
-    tokens = cfg.data.micro_batch_tokens
+    tokens = batch_tokens(cfg)[0]  # unset: what the driver fills in (config.batch_tokens)
     half = cfg.train.precision in ("bf16", "fp16")
     per_unit = KORTHIKANTI_BYTES * (1 if half else 2)
     layers = 0.0

@@ -176,9 +176,9 @@ class ShardedReduce:
 
     def grad_norm(self) -> float:
         """The global gradient norm, summed in the same order at any world size (docstring)."""
-        return row_norm(self.params, self.rank, self.world_size, self.device)
+        return float(row_norm(self.params, self.rank, self.world_size, self.device))
 
-    def clip_(self, max_norm: float) -> float:
+    def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients to a global norm of at most `max_norm` (0: no clipping), as
         `clip_rows` does unsharded; returns the norm."""
         return clip_rows(self.params, max_norm, self.rank, self.world_size, self.device)
@@ -192,12 +192,13 @@ class ShardedReduce:
             optimizer.step()
 
 
-def row_norm(params: list[torch.Tensor], rank: int, world_size: int, device: torch.device) -> float:
+def row_norm(params: list[torch.Tensor], rank: int, world_size: int, device: torch.device) -> torch.Tensor:
     """The gradient norm of `params` in an order that does not depend on W: each rank computes a
     float64 sum of squares per row of dim 0 of its rows (a row lies whole on one rank), puts it in
     that row's slot of a vector of every parameter's rows (a parameter without a gradient leaves
     zeros), the vector is all-reduced (one value per slot: exact) and summed alike on every rank.
-    Unsharded (rank 0 of 1) the same vector, so the same norm to the bit."""
+    Unsharded (rank 0 of 1) the same vector, so the same norm to the bit. A float64 scalar on the
+    device: the step reads it with the loss, in one wait (step._read_together)."""
     total = sum(p.shape[0] if p.dim() else 1 for p in params)
     squares = torch.zeros(total, dtype=torch.float64, device=device)
     offset = 0
@@ -215,19 +216,19 @@ def row_norm(params: list[torch.Tensor], rank: int, world_size: int, device: tor
             offset += rows_of_p
     if is_distributed() and world_size > 1:
         timed_all_reduce(squares)
-    return float(squares.sum().sqrt())
+    return squares.sum().sqrt()
 
 
 def clip_rows(params: list[torch.Tensor], max_norm: float, rank: int, world_size: int,
-              device: torch.device) -> float:
+              device: torch.device) -> torch.Tensor:
     """Scale the gradients to a norm (`row_norm`) of at most `max_norm` (0: no clipping), with
-    torch's clip_grad_norm_ coefficient max_norm / (norm + 1e-6) applied in float32 to float32
-    values (a float64 gradient holding them, exact fsdp, is multiplied as float32 and stored back):
-    the same products sharded or not. Returns the norm."""
+    torch's clip_grad_norm_ coefficient max_norm / (norm + 1e-6), clamped to 1 and computed on the
+    device (no wait for the host), applied in float32 to float32 values (a float64 gradient holding
+    them, exact fsdp, is multiplied as float32 and stored back): the same products sharded or not
+    (a coefficient of 1 leaves every value as it was). Returns the norm (a device scalar)."""
     norm = row_norm(params, rank, world_size, device)
-    coef = max_norm / (norm + 1e-6) if max_norm > 0 else 1.0
-    if coef < 1.0:
-        coef32 = torch.tensor(coef, dtype=torch.float32, device=device)
+    if max_norm > 0:
+        coef32 = (max_norm / (norm + 1e-6)).clamp(max=1.0).to(torch.float32)
         with torch.no_grad():
             for p in params:
                 if p.grad is None:
