@@ -159,6 +159,12 @@ def nccl_env(cfg: Config) -> dict[str, str]:
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(folder, "nccl_trace", "rank_")}
 
 
+def _driver_process() -> tuple[str, int] | None:
+    """(node id, pid) of this driver, for fault.schedule's stop; None before Ray runs (a trainer
+    built without a cluster: asking Ray's context would start one)."""
+    return (ray.get_runtime_context().get_node_id(), os.getpid()) if ray.is_initialized() else None
+
+
 def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | None = None,
                   loss_fn: LossFn | None = None, record: dict | None = None,
                   verbose: bool = False, pg_cleaner: bool = True) -> TorchTrainer:
@@ -180,7 +186,7 @@ def build_trainer(cfg: Config, info: DatasetInfo, runlog, model_fn: ModelFn | No
                            "block_table": tables.train, "eval_table": tables.eval,
                            "extra_columns": extra_columns(info), "model_fn": model_fn,
                            "loss_fn": loss_fn, "provenance": record or {},
-                           "driver": (ray.get_runtime_context().get_node_id(), os.getpid())},
+                           "driver": _driver_process()},
         scaling_config=ScalingConfig(
             num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
             elastic_resize_monitor_interval_s=s.resize_monitor_interval_s,
