@@ -18,7 +18,7 @@ from localenv import train_locally
 
 from elastic_train import load_config
 from elastic_train.api import train
-from elastic_train.config import config_from_dict
+from elastic_train.config import ConfigError, config_from_dict
 from elastic_train.data.batches import MicroBatch
 from elastic_train.export import export, generate, load_trained
 from elastic_train.training.checkpoint import read_shards
@@ -106,12 +106,10 @@ def test_exports_load_with_peft_and_from_pretrained_and_give_the_eval_loss(
         ray_cluster, base_llama, sft_dataset, tmp_path):
     """A LoRA run keeping its best checkpoint: loaded, exported as adapters (peft) and merged
     (transformers alone), each gives the best evaluation's loss on the held-out examples. Then
-    the same run resumed with model.path on other weights: it stops at once (no retries) with
-    the refusal, and its checkpoints are untouched."""
+    the same run resumed with model.path on other weights: refused before Ray starts, and its
+    checkpoints are untouched."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from elastic_train.api import TrainingFailed
 
     common = [*LORA, f"data.path={sft_dataset}", f"run.storage_path={tmp_path}", "run.name=ex",
               "fault.crash_at_step=null", "scaling.min_workers=1", "scaling.max_workers=1",
@@ -141,7 +139,7 @@ def test_exports_load_with_peft_and_from_pretrained_and_give_the_eval_loss(
     model.save_pretrained(other)
     before = {p.name: p.stat().st_mtime_ns for p in Path(result.run_dir).rglob("*")
               if "checkpoint_" in str(p) and p.is_file()}
-    with pytest.raises(TrainingFailed, match="trained on another base model"):
+    with pytest.raises(ConfigError, match="trained on another base model"):  # before Ray starts
         train(load_config(None, [*common, f"model.path={other}", "train.max_steps=8"]))
     assert {p.name: p.stat().st_mtime_ns for p in Path(result.run_dir).rglob("*")
             if "checkpoint_" in str(p) and p.is_file()} == before
