@@ -227,10 +227,18 @@ def test_the_trainer_leaves_out_what_a_run_does_not_use(small_dataset, tmp_path)
 
 
 @pytest.mark.parametrize("entry, culprit", [("25:boom", "'25:boom'"), ("0:crash", "'0:crash'"),
-                                            ("x:kill:1", "'x:kill:1'"), ("5:kill:7", "rank 7")])
+                                            ("x:kill:1", "'x:kill:1'"), ("5:kill:7", "rank 7"),
+                                            ("9:join:1", "'9:join:1'")])
 def test_a_malformed_fault_schedule_entry_is_named(entry, culprit):
     with pytest.raises(ConfigError, match=f"fault.schedule: {culprit}"):
         load_config(None, [f"fault.schedule=[{entry}]"])
+
+
+def test_a_node_fault_in_the_schedule_is_a_hook_of_restart_mode():
+    cfg = load_config(None, ["fault.schedule=[9:lose, 20:join:0, 30:drain]"])
+    assert cfg.fault.schedule == ["9:lose", "20:join:0", "30:drain"]
+    with pytest.raises(ConfigError, match="fault.schedule: 9:lose is a test hook of fault.recovery=restart"):
+        load_config(None, ["fault.recovery=in_place", "fault.schedule=[9:lose]"])
 
 
 def test_a_fault_schedule_is_read_from_the_command_line_and_drawn_from_a_seed():

@@ -8,22 +8,19 @@ of; CI runs the fixed seeds here: the default model, LoRA on a Llama, and fsdp."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
 import yaml
 from conftest import TINY, prepare_sft_pairs
 from localenv import train_locally
-from test_train_ray import effective_ids, losses, read_events
+from test_train_ray import read_events
+from uninterrupted import check_against_uninterrupted, uninterrupted_ray_run
 
 from elastic_train import load_config
 from elastic_train.api import TrainingStopped, train
 from elastic_train.config import config_from_dict
 from elastic_train.recovery.chaos import draw_fault_schedule
-from elastic_train.training.checkpoint import read_shards
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 
@@ -41,39 +38,6 @@ def run_to_the_end(overrides: list[str]):
         except TrainingStopped:
             stops += 1
             assert stops <= 3, "stopped more often than the schedule says"
-
-
-def saved_cursors(run_dir: Path) -> dict[int, dict]:
-    """step -> the data cursors of the run folder's checkpoint of that step."""
-    out = {}
-    for folder in sorted(p for p in run_dir.glob("checkpoint_*") if (p / "state.json").is_file()):
-        state = json.loads((folder / "state.json").read_text())["train_state"]
-        out[state["step"]] = state["cursors"]
-    return out
-
-
-def uninterrupted_ray_run(result) -> SimpleNamespace:
-    """A Ray run that was never interrupted, in the form of `train_locally`'s result."""
-    return SimpleNamespace(consumed=effective_ids(result), final={"model": read_shards(
-        result.checkpoint_path, "model")}, cursors=saved_cursors(Path(result.run_dir)),
-        steps=[{"step": step, "loss": loss} for step, loss in losses(result).items()])
-
-
-def check_against_uninterrupted(result, reference) -> None:
-    """The run `result` against `reference` (train_locally of the same config, or
-    uninterrupted_ray_run): every step's ids and loss, every checkpoint's cursors, the final
-    weights to the bit."""
-    assert effective_ids(result) == reference.consumed
-    got, want = losses(result), {r["step"]: r["loss"] for r in reference.steps}
-    assert got.keys() == want.keys()
-    assert max(abs(got[s] - want[s]) / want[s] for s in want) < 1e-12
-    cursors = saved_cursors(Path(result.run_dir))
-    assert len(cursors) >= 5
-    for step, saved in cursors.items():  # the last: an epoch's end, with or without its cursors
-        assert step == max(want) or saved == reference.cursors.get(step, {}), step
-    final = read_shards(result.checkpoint_path, "model")
-    for name, tensor in reference.final["model"].items():
-        assert torch.equal(final[name], tensor), name
 
 
 def check_ledger(result, schedule: list[str], stops: int) -> None:

@@ -17,7 +17,7 @@ import ray
 import torch
 
 from elastic_train.cluster import raycompat
-from elastic_train.config import fault_schedule
+from elastic_train.config import NODE_KINDS, fault_schedule
 from elastic_train.recovery import checkpoints as in_place_checkpoints
 from elastic_train.training.step import poison_gradient
 
@@ -30,6 +30,7 @@ class FaultHooks:
 
     driver: tuple[str, int] | None = None  # the driver's (node id, pid): fault.schedule's stop
     participating_rank: int | None = None  # in place: this replica's rank among those training
+    _hold_armed = False  # fault.schedule's join: rank 0 holds for the grow it waited for
 
     def inject_faults(self, step: int) -> None:
         """The test hooks that act at the end of a step: a crash, a hang, a slow rank."""
@@ -38,7 +39,7 @@ class FaultHooks:
             time.sleep(f.slow_step_s)
         if f.step_pause_s:
             time.sleep(f.step_pause_s)
-        if f.hold_for_resize_at_step is not None and self.world_rank == 0:
+        if self.world_rank == 0 and (f.hold_for_resize_at_step is not None or self._hold_armed):
             self._hold_for_resize(step, f.hold_for_resize_at_step)
         if f.wait_for_replacement_at_step == step:
             ray.get(self.log_event({"event": "waiting_for_replacement", "step": step}))
@@ -53,7 +54,9 @@ class FaultHooks:
         # in place a lost rank's steps go on without it: a fault aims at the rank taking part
         me = self.participating_rank if self.participating_rank is not None else self.world_rank
         for at, kind, rank in fault_schedule(f.schedule):
-            if at == step and rank == me \
+            if at == step and kind in NODE_KINDS:
+                self._node_fault(kind, step)
+            elif at == step and rank == me \
                     and ray.get(self.runlog.claim_fault.remote(f"{kind}@{step}")):
                 self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False,
                                                kind=kind)
@@ -82,7 +85,38 @@ class FaultHooks:
             return
         threading.Event().wait()
 
-    def _hold_for_resize(self, step: int, at: int) -> None:
+    def _node_fault(self, kind: str, step: int) -> None:
+        """fault.schedule's lose, join or drain at `step`, which the test carries out on the
+        cluster once rank 0 has announced it (`crash_injected`, after the checkpoint saved last is
+        committed). lose: every rank holds (each once per run: a replay of the step goes on)
+        until Ray restarts the group without the node. join: rank 0 waits for the grow's
+        checkpoint request, saves the next step, then holds (as fault.hold_for_resize_at_step).
+        drain: the run goes on; the drain notice asks for its own checkpoints."""
+        if self.world_rank == 0 and ray.get(self.runlog.claim_fault.remote(f"{kind}@{step}")):
+            self._wait_for_commit_then_log(self.last_saved_step, step, in_checkpoint=False,
+                                           kind=kind)
+            if kind == "join":
+                self._request_granted, self._hold_armed = False, True
+                self._wait_for_resize_request(step)
+        if kind == "lose" and ray.get(self.runlog.claim_fault.remote(f"lose@{step}:{self.world_rank}")):
+            self.step_ended(None)  # a wait for Ray, not a hang: out of the watchdog's sight
+            threading.Event().wait()  # Ray ends this process when it restarts the group
+
+    def _wait_for_resize_request(self, step: int) -> None:
+        """Rank 0 waits after `step` until a grow asks for a checkpoint (granted at the next
+        step's start: that step's end saves and commits it)."""
+        ray.get(self.log_event({"event": "waiting_for_resize", "step": step}))
+        self.step_ended(None)
+        # the regular poll's call may be in flight and take the request first: wait for it too
+        reason = ray.get(self._request_ref) if self._request_ref is not None else None
+        self._request_ref = None
+        while not reason:
+            time.sleep(0.1)
+            reason = ray.get(self.runlog.take_checkpoint_request.remote())
+        self.step_began(step)
+        self._held_request = reason
+
+    def _hold_for_resize(self, step: int, at: int | None) -> None:
         """Test hook (fault.hold_for_resize_at_step): once a joining node's checkpoint request is
         granted (this step's end saves and commits it), hold after the next step until Ray
         replaces this group; if none is granted by step `at`, wait there for it. Once per run."""
@@ -95,14 +129,7 @@ class FaultHooks:
         if granted:
             self._hold_at = step + 1
         elif step == at and ray.get(self.runlog.claim_fault.remote(f"hold_wait@{step}")):
-            self.log_event({"event": "waiting_for_resize", "step": step})
-            # the regular poll's call may be in flight and take the request first: wait for it too
-            reason = ray.get(self._request_ref) if self._request_ref is not None else None
-            self._request_ref = None
-            while not reason:
-                time.sleep(0.1)
-                reason = ray.get(self.runlog.take_checkpoint_request.remote())
-            self._held_request = reason  # granted at the next step's start
+            self._wait_for_resize_request(step)
 
     def maybe_crash_in_eval(self, step: int) -> None:
         """Test hook: die in the evaluation after step `crash_at_step` (after its first batch)."""

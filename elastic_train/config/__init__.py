@@ -29,6 +29,7 @@ from elastic_train.config.schema import (
 from elastic_train.config.validate import (
     GPT_KWARGS,
     GRAD_COMPRESSIONS,
+    NODE_KINDS,
     ReduceChoice,
     batch_tokens,
     check_compression,
@@ -43,7 +44,7 @@ from elastic_train.config.validate import (
 
 __all__ = [
     "DEFAULT_CONFIG_PATH", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
-    "FaultConfig", "GPT_KWARGS", "GRAD_COMPRESSIONS", "LogConfig", "ModelConfig", "OptimConfig",
+    "FaultConfig", "GPT_KWARGS", "GRAD_COMPRESSIONS", "LogConfig", "NODE_KINDS", "ModelConfig", "OptimConfig",
     "ReduceChoice", "RunConfig", "ScalingConfig", "TrainConfig", "batch_tokens", "check_compression",
     "check_run_name", "choose_grad_reduce", "config_from_dict", "config_changes", "eval_enabled",
     "fault_schedule", "gpt_config", "load_config", "num_partitions", "parse_override", "validate",

@@ -256,6 +256,11 @@ class FaultConfig:
     # from a checkpoint written after the one before). KIND: crash (the rank's process exits),
     # kill (another process SIGKILLs it), stop (it SIGTERMs a driver on its machine, which stops
     # the run as `ray job stop` does: run the same command again). e.g. [25:crash:1, 45:kill, 68:stop]
+    # Kinds a test carries out on the cluster (restart mode; rank 0 announces them in a
+    # `crash_injected` event): lose (every rank holds after STEP until Ray restarts the group:
+    # the test kills a node), join (rank 0 waits after STEP for the grow's checkpoint request:
+    # the test adds a node; it saves the next step, then holds), drain (the run goes on: the
+    # test drains a node and takes it at the deadline)
     schedule: list[str] = field(default_factory=list)
     # test hook (in place: a replacement that surely joins before the run ends): a rank that ends
     # this step waits until a replacement has joined the run (a lost rank never gets there, and

@@ -288,6 +288,9 @@ def eval_enabled(e: EvalConfig) -> bool:
 
 
 FAULT_KINDS = ("crash", "kill", "stop")
+# fault.schedule's kinds that a test carries out on the cluster (tests/test_elastic.py): the run
+# announces them, rank 0 at the end of STEP, and holds or goes on as each needs
+NODE_KINDS = ("lose", "join", "drain")
 
 
 def fault_schedule(entries: list[str]) -> list[tuple[int, str, int]]:
@@ -296,9 +299,12 @@ def fault_schedule(entries: list[str]) -> list[tuple[int, str, int]]:
     for entry in entries:
         parts = str(entry).split(":")
         ok = len(parts) in (2, 3) and parts[0].isdigit() and int(parts[0]) >= 1 \
-            and parts[1] in FAULT_KINDS and (len(parts) == 2 or parts[2].isdigit())
+            and parts[1] in FAULT_KINDS + NODE_KINDS and (len(parts) == 2 or parts[2].isdigit())
         _require(ok, f"fault.schedule: {entry!r} is not STEP:KIND[:RANK] with STEP >= 1 and KIND "
-                 f"one of {', '.join(FAULT_KINDS)}")
+                 f"one of {', '.join(FAULT_KINDS + NODE_KINDS)}")
+        _require(parts[1] not in NODE_KINDS or len(parts) == 2 or parts[2] == "0",
+                 f"fault.schedule: {entry!r}: a node's fault ({', '.join(NODE_KINDS)}) is announced "
+                 "by rank 0 (write STEP:KIND)")
         out.append((int(parts[0]), parts[1], int(parts[2]) if len(parts) == 3 else 0))
     return out
 
@@ -324,9 +330,12 @@ def _validate_fault(f: FaultConfig, s: ScalingConfig) -> None:
         _require(rank is None or 0 <= rank < s.max_workers,
                  f"fault.{key} ({rank}) must be a worker rank, in "
                  f"[0, scaling.max_workers={s.max_workers})")
-    for _, _, rank in fault_schedule(f.schedule):
+    for step, kind, rank in fault_schedule(f.schedule):
         _require(rank < s.max_workers, f"fault.schedule: rank {rank} must be a worker rank, in "
                  f"[0, scaling.max_workers={s.max_workers})")
+        _require(kind not in NODE_KINDS or f.recovery == "restart",
+                 f"fault.schedule: {step}:{kind} is a test hook of fault.recovery=restart (in place, "
+                 "survivors train on: nothing holds for the node)")
     _at_least("fault.slow_step_s", f.slow_step_s, 0)
     _require((f.slow_rank is None) == (f.slow_step_s == 0),
              f"fault.slow_rank ({f.slow_rank}) and fault.slow_step_s ({f.slow_step_s}) go together: "
