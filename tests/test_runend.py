@@ -18,10 +18,13 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY
+from test_bad_input import other_cluster  # noqa: F401 - fixture
+from test_console import ray_info_lines
 
 from elastic_train import load_config
 from elastic_train.api import TrainingFailed, train
 from elastic_train.cli import main
+from elastic_train.cluster.console import RAY_LOG
 
 pytestmark = pytest.mark.ray
 
@@ -99,14 +102,20 @@ def _console(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen
 
 
 @pytest.mark.timeout(400)
-def test_a_crash_is_one_line_of_ours_and_a_rerun_changes_nothing(small_dataset, tmp_path):
-    """The real console of a run whose rank 1 dies hard at step 8: one line of ours names rank,
-    node, cause, step and the checkpoint it resumed from, with none of Ray's tracebacks;
-    attempts.json ends attempt 0 with the same. Then the same command again: the run is finished,
-    it says how to go on, and no file of the run folder changes."""
+def test_a_crash_is_one_line_of_ours_and_a_rerun_changes_nothing(other_cluster, small_dataset,  # noqa: F811
+                                                                tmp_path):
+    """The real console of the command a user runs, with another Ray cluster on the machine
+    (`other_cluster`: the run starts its own local cluster and no process of it looks the other
+    one up), whose rank 1 dies hard at step 8: progress lines and one line of ours naming rank,
+    node, cause, step and the checkpoint it resumed from, with none of Ray's INFO lines or
+    tracebacks (kept in the run folder's ray.log); attempts.json ends attempt 0 with the same.
+    Then the same command again: the run is finished, it says how to go on, and no file of the
+    run folder changes."""
     argv = ["train", *TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
             "run.name=crash", "train.max_steps=14", "checkpoint.every_steps=4",
-            "fault.crash_at_step=8", "fault.crash_rank=1", "log.progress=lines"]
+            "fault.crash_at_step=8", "fault.crash_rank=1", "log.progress=lines",
+            "log.print_every_steps=5",
+            "scaling.worker_group_start_timeout_s=300"]  # on a busy machine a slow start is no failure
     proc = _console(*argv, cwd=tmp_path)
     out, _ = proc.communicate(timeout=360)
     assert proc.returncode == 0, out[-4000:]
@@ -115,14 +124,28 @@ def test_a_crash_is_one_line_of_ours_and_a_rerun_changes_nothing(small_dataset, 
     assert ours[0].startswith("attempt 0: rank 1 on node ") and "its process died" in ours[0]
     assert "resumed from the checkpoint of step" in ours[0] and ours[0].endswith("with 2 workers")
     for noise in ("Traceback", "A worker died or was killed", "Token authentication",
-                  "Found multiple active Ray instances"):
+                  "Found multiple active Ray instances", "Failed to register placement group"):
         assert noise not in out, out[-4000:]
+    assert ray_info_lines(out) == [], out
+    # progress lines (polled: which steps they show depends on timing), then the end line
+    assert re.search(r"^step \d+/14 epoch 0 loss [\d.]+ .* workers 2 ", out, re.M), out
+    assert "finished: 14 steps" in out
     folder = tmp_path / "crash"
     end = json.loads((folder / "attempts.json").read_text())[0]["end"]
     assert end["rank"] == 1 and end["node"] and end["step"] == 8 and end["committed_step"] <= 8
-    assert "Traceback" in (folder / "ray.log").read_text()  # Ray's reports are kept there
+    ray_log = (folder / RAY_LOG).read_text()
+    assert "Traceback" in ray_log  # Ray's reports are kept there
+    assert "Started a local Ray instance" in ray_log and "Reporting training result" in ray_log
+    # the local cluster runs without the dashboard, so without Ray's placement-group cleaner,
+    # which would warn every second that it cannot reach the state API
+    assert "Failed to query Ray Train Controller" not in out + ray_log
     summary = json.loads((folder / "summary.json").read_text())
     assert (summary["restarts"], summary["resumes"]) == (1, 0)
+    # run.train_first: the RunLog, Ray's controller and daemons yielded the CPU (cpushare.py)
+    events = [json.loads(x) for x in (folder / "events.jsonl").read_text().splitlines()]
+    share = [e for e in events if e["event"] == "cpu_share"][0]
+    assert share["helpers"] >= 5, share  # GCS, raylet, dashboard, agents, controller, RunLog...
+    assert share["training"] == (2 if os.geteuid() == 0 else 0), share
 
     before = snapshot_files(folder)
     again = _console(*argv, cwd=tmp_path)

@@ -1,6 +1,6 @@
-"""train.sharding=fsdp on a real local Ray cluster: a crash and resume, and restarts at a smaller
-and a larger world size, each the same to the bit as a run that was never interrupted (checkpoints of each
-rank's rows, resharded on load: sharding.py, shardfiles.py)."""
+"""train.sharding=fsdp on a real local Ray cluster: a run that shrinks to one worker and grows
+back, the same to the bit as a run that was never interrupted (checkpoints of each rank's rows,
+resharded on load: sharding.py, shardfiles.py); a NaN in one rank's rows; a Llama's export."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_models import bpe_dataset, llama_folder  # noqa: F401 - fixtures
-from test_train_ray import assert_same_training, run
+from test_train_ray import assert_same_training, read_events, run
 
 from elastic_train.api import TrainingFailed
 from elastic_train.training.checkpoint import read_shards
@@ -29,36 +29,26 @@ def reference(ray_cluster, small_dataset, tmp_path_factory):
     return result
 
 
-def test_fsdp_crash_and_resume_is_the_uninterrupted_run_to_the_bit(reference, small_dataset, tmp_path):
-    resumed = run(tmp_path, small_dataset, "crash", *FSDP, "fault.crash_at_step=10",
-                  "fault.crash_rank=1")
-    assert resumed.summary["restarts"] == 1 and resumed.summary["world_sizes"] == [2, 2]
-    assert_same_training(resumed, reference)
-
-
-def test_fsdp_restart_at_one_worker_reshards_and_follows_the_same_curve(reference, small_dataset,
-                                                                         tmp_path):
+def test_fsdp_shrinks_to_one_worker_and_grows_back_to_the_uninterrupted_run(reference, small_dataset,
+                                                                            tmp_path):
+    """Two recoveries in a row at other world sizes, each from a checkpoint written after the one
+    before: 2 workers until rank 0 dies with no restart left; resumed on 1 worker, which reshards
+    the 2 ranks' rows into one and dies at step 11 (its step-8 checkpoint committed); resumed on
+    2 workers, each taking its rows from the 1-worker checkpoint's one file. The run ends as the
+    uninterrupted one, to the bit. (A crash and resume at the same size: the seeded fsdp schedule
+    of tests/test_repeated_faults.py; the chaos tier's grow through add_node restarts the same way,
+    from the latest checkpoint at the new size.)"""
+    schedule = "fault.schedule=[6:crash:0, 11:crash:0]"  # each fault fires once in the run
     with pytest.raises(TrainingFailed):
-        run(tmp_path, small_dataset, "resize", *FSDP, "fault.crash_at_step=10",
-            "scaling.max_failures=0")
-    resized = run(tmp_path, small_dataset, "resize", *FSDP, "fault.crash_at_step=10",
-                  "scaling.min_workers=1", "scaling.max_workers=1")
-    assert resized.summary["world_sizes"] == [2, 1]
+        run(tmp_path, small_dataset, "resize", *FSDP, schedule, "scaling.max_failures=0")
+    with pytest.raises(TrainingFailed):
+        run(tmp_path, small_dataset, "resize", *FSDP, schedule, "scaling.max_failures=0",
+            "scaling.min_workers=1", "scaling.max_workers=1")
+    resized = run(tmp_path, small_dataset, "resize", *FSDP, schedule)
+    assert resized.summary["world_sizes"] == [2, 1, 2]
+    starts = [e for e in read_events(resized) if e["event"] == "start" and e["rank"] == 0]
+    assert [e["resumed_step"] for e in starts] == [0, 4, 8]
     assert_same_training(resized, reference)
-
-
-def test_fsdp_restart_at_two_workers_grows_from_one_workers_checkpoint(reference, small_dataset,
-                                                                       tmp_path):
-    """A grow (1 -> 2 workers), as a restart at a larger world size: each of the 2 ranks takes
-    its rows from the 1-worker checkpoint's one file and the run ends as the uninterrupted one,
-    to the bit. (The chaos tier's grow through add_node restarts the same way: from the latest
-    checkpoint at the new size.)"""
-    with pytest.raises(TrainingFailed):
-        run(tmp_path, small_dataset, "grow", *FSDP, "fault.crash_at_step=10",
-            "scaling.max_failures=0", "scaling.min_workers=1", "scaling.max_workers=1")
-    grown = run(tmp_path, small_dataset, "grow", *FSDP, "fault.crash_at_step=10")
-    assert grown.summary["world_sizes"] == [1, 2]
-    assert_same_training(grown, reference)
 
 
 def test_fsdp_nan_in_one_workers_rows_is_skipped_by_every_worker(ray_cluster, small_dataset,

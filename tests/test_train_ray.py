@@ -142,15 +142,6 @@ def test_two_worker_run_trains_every_id_once_per_epoch(reference, small_dataset)
     assert s["steps"] == len(effective_ids(reference))
 
 
-def test_one_worker_reading_through_ray_data_sees_the_same_steps_and_loss(reference, small_dataset,
-                                                                         tmp_path):
-    """Another world size and the other reader (Ray Data read tasks): the same run, to the bit."""
-    one = run(tmp_path, small_dataset, "one", "train.epochs=2", "train.max_steps=1000",
-              "scaling.min_workers=1", "scaling.max_workers=1", "data.reader=ray_data")
-    assert one.summary["world_sizes"] == [1] and one.summary["read_amplification"] == 1.0
-    assert_same_training(one, reference)
-
-
 def test_hard_crash_resumes_exactly_once_with_the_same_loss(reference, small_dataset, tmp_path):
     crashed = run(tmp_path, small_dataset, "crash", "train.epochs=2", "train.max_steps=1000",
                   "fault.crash_at_step=10", "fault.crash_rank=1")
@@ -172,6 +163,11 @@ def test_hard_crash_resumes_exactly_once_with_the_same_loss(reference, small_dat
     assert len({e["local_dir"] for e in restores}) == 1
     assert restores[0]["checkpoint"] == f"checkpoint_{crash['committed_step']:09d}"
     assert_same_training(crashed, reference)
+    # `auto` chose the exact reduction on CPU workers, and the restart kept the run's choice.
+    chosen = [(e["chosen"], e["reason"]) for e in read_events(crashed) if e["event"] == "grad_reduce"]
+    assert chosen == [("exact", "auto: CPU workers"),
+                      ("exact", "auto: kept from the run's checkpoint (chosen at its first start)")]
+    assert (s["grad_reduce"], s["grad_compression"]) == ("exact", "none")
     # The run's time ledger and `elastic-train report` on a real restarted run.
     assert s["replayed_steps"] == 10 - (first_of_attempt1 - 1)
     # The restart read its partitions from their cursors: at most one window each again.
@@ -212,24 +208,23 @@ def test_same_run_name_continues_as_a_resume_and_refuses_another_model(ray_clust
     assert after == before
 
 
-def test_crash_while_writing_checkpoint_loads_the_previous_one(reference, small_dataset, tmp_path):
-    result = run(tmp_path, small_dataset, "midwrite", "train.epochs=2", "train.max_steps=1000",
-                 "fault.crash_at_step=8", "fault.crash_in_checkpoint=true")
-    recs = metrics(result)
-    resumed = [r for r in recs if r["attempt"] == 1]
-    crash = crash_event(result)  # rank 0 died writing step 8's files, step 4's being committed
-    assert (crash["step"], crash["in_checkpoint"], crash["committed_step"]) == (8, True, 4), crash
-    assert resumed and resumed[0]["step"] == 5  # the step-8 checkpoint never counted
-    assert result.summary["restarts"] == 1 and result.summary["status"] == "finished"
-    assert_same_training(result, reference)
-
-
-def test_restart_at_another_world_size_follows_the_same_curve(reference, small_dataset, tmp_path):
-    """2 workers until a crash with no restarts left; the same run resumed on 1 worker."""
+def test_a_crash_in_a_checkpoint_then_one_worker_through_ray_data_follows_the_same_curve(
+        reference, small_dataset, tmp_path):
+    """2 workers until rank 0 dies writing step 8's checkpoint, with no restart left: that
+    checkpoint never counts. The same run resumed on 1 worker reading through the other reader
+    (Ray Data read tasks) from step 4's: the same ids, losses and weights as the uninterrupted
+    2-worker run, to the bit."""
+    crash = ["train.epochs=2", "train.max_steps=1000", "fault.crash_at_step=8",
+             "fault.crash_in_checkpoint=true"]
     with pytest.raises(TrainingFailed):
-        run(tmp_path, small_dataset, "resize", "train.epochs=2", "train.max_steps=1000",
-            "fault.crash_at_step=10", "scaling.max_failures=0")
-    resized = run(tmp_path, small_dataset, "resize", "train.epochs=2", "train.max_steps=1000",
-                  "fault.crash_at_step=10", "scaling.min_workers=1", "scaling.max_workers=1")
-    assert resized.summary["world_sizes"] == [2, 1]
+        run(tmp_path, small_dataset, "resize", *crash, "scaling.max_failures=0")
+    resized = run(tmp_path, small_dataset, "resize", *crash, "scaling.min_workers=1",
+                  "scaling.max_workers=1", "data.reader=ray_data")
+    crash = crash_event(resized)  # rank 0 died writing step 8's files, step 4's being committed
+    assert (crash["step"], crash["in_checkpoint"], crash["committed_step"]) == (8, True, 4), crash
+    resumed = [r for r in metrics(resized) if r["attempt"] == 1]
+    assert resumed and resumed[0]["step"] == 5  # the step-8 checkpoint never counted
+    s = resized.summary
+    assert s["world_sizes"] == [2, 1] and s["status"] == "finished"
+    assert s["read_amplification"] > 1.0  # steps 5-8 read again
     assert_same_training(resized, reference)
