@@ -109,6 +109,8 @@ class RunFolder:
     def stage(self, name: str, text: str) -> None:
         """Write `name` as it will be once the run is accepted (at once, if it is)."""
         with self._lock:
+            if self.discarded:
+                return
             if not self.accepted:
                 (self.local / (name + PENDING)).write_text(text)
                 self._staged.append(name)
