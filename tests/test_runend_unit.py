@@ -184,7 +184,8 @@ def test_an_accepted_resume_promotes_its_config_and_keeps_what_it_wrote(tmp_path
     folder = _earlier_run(tmp_path)
     run = RunFolder(str(folder))
     run.stage("config.20261205-070000.yaml", "train: {max_steps: 10}\n")
-    run.stage("config.yaml", "train: {max_steps: 20}\n")
+    run.stage("config.yaml", "train: {max_steps: 15}\n")
+    run.stage("config.yaml", "train: {max_steps: 20}\n")  # staged again: the last one counts
     run.append("events.jsonl", ['{"event": "worker_started"}'])
     run.accept()
     run.discard()  # too late: an accepted run keeps its files

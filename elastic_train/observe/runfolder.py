@@ -113,7 +113,8 @@ class RunFolder:
                 return
             if not self.accepted:
                 (self.local / (name + PENDING)).write_text(text)
-                self._staged.append(name)
+                if name not in self._staged:
+                    self._staged.append(name)
                 return
         self.write(name, text)
 
