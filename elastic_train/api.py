@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -84,6 +85,8 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
     fails on the cluster still writes summary.json with status "failed" and the reason, then
     raises TrainingFailed; stopped by SIGINT or SIGTERM (`ray job stop`), summary.json says
     "stopped" and TrainingStopped is raised; either way what the run holds in Ray is released.
+    A resume that ends before its first attempt begins (a checkpoint or model the workers
+    refuse) raises the same but changes no file of the run folder (observe/runfolder.py).
     Ray's INFO logging goes to the run folder's ray.log, not the screen, unless `verbose` (see
     console.py).
     """
@@ -128,13 +131,13 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
     start = startup["ray_ready"] = time.time()
     start_coordinator()
     runlog = start_runlog(cfg)
-    trainer = None
+    trainer = settled = None
     try:
         folder = ray.get(runlog.local_folder.remote())  # a remote run's staging copy, uploaded by flush
         ray_log.open(os.path.join(folder, RAY_LOG))
         save_config(cfg, runlog)
         record = provenance.driver_record(info, data_tables(cfg, info).eval_info)
-        ray.get(runlog.write_file.remote("provenance.json", json.dumps(record, indent=2)))
+        ray.get(runlog.stage_file.remote("provenance.json", json.dumps(record, indent=2)))
         trainer = build_trainer(cfg, info, runlog, model_fn, loss_fn, record, verbose,
                                 pg_cleaner=not local or cfg.run.dashboard)
         startup["fit_call"] = time.time()
@@ -146,10 +149,7 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
         if outcome.stopped:
             summary["status"], summary["reason"] = "stopped", f"stopped by {outcome.stopped}"
         summary["provenance"] = record
-        ray.get(runlog.write_file.remote("summary.json", json.dumps(summary, indent=2)))
-        ray.get(runlog.finish_tracking.remote(summary))  # log.mlflow / log.wandb: bounded wait
-        ray.get(runlog.end_attempt.remote({"cause": summary["status"]}))
-        ray.get(runlog.flush.remote())
+        settled = _settle(runlog, ray_log, summary)
         if outcome.stopped:
             raise TrainingStopped(outcome.stopped, summary)
         if summary["status"] != "finished":
@@ -161,7 +161,26 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
     finally:
         if trainer is not None:
             abort_controller(trainer.controller)  # a run that did not end by itself
+        if settled is None:  # ended by an exception: the staged files are promoted or removed
+            with contextlib.suppress(Exception):  # left staged, the next fit removes them
+                _settle(runlog, ray_log, None)
         ray.kill(runlog)
+
+
+def _settle(runlog, ray_log, summary: dict[str, Any] | None) -> bool:
+    """The fit is over. An accepted run, or a new run's folder, keeps this fit's files and gets
+    its summary.json; a resume that never began (its checkpoint or model refused by the workers,
+    or stopped or failed before its first attempt) leaves the earlier run's folder as it was,
+    summary.json and ray.log included (runfolder.py). True if the files were kept."""
+    if not ray.get(runlog.settle.remote()):
+        ray_log.discard()
+        return False
+    if summary is not None:
+        ray.get(runlog.write_file.remote("summary.json", json.dumps(summary, indent=2)))
+        ray.get(runlog.finish_tracking.remote(summary))  # log.mlflow / log.wandb: bounded wait
+        ray.get(runlog.end_attempt.remote({"cause": summary["status"]}))
+        ray.get(runlog.flush.remote())
+    return True
 
 
 @dataclass

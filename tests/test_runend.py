@@ -101,16 +101,19 @@ def _console(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen
                             stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(500)
 def test_a_crash_is_one_line_of_ours_and_a_rerun_changes_nothing(other_cluster, small_dataset,  # noqa: F811
-                                                                tmp_path):
+                                                                tmp_path, capsys, request):
     """The real console of the command a user runs, with another Ray cluster on the machine
     (`other_cluster`: the run starts its own local cluster and no process of it looks the other
     one up), whose rank 1 dies hard at step 8: progress lines and one line of ours naming rank,
     node, cause, step and the checkpoint it resumed from, with none of Ray's INFO lines or
     tracebacks (kept in the run folder's ray.log); attempts.json ends attempt 0 with the same.
     Then the same command again: the run is finished, it says how to go on, and no file of the
-    run folder changes."""
+    run folder changes. Then a resume for more steps from a checkpoint whose data cursors were
+    edited by hand, which only the workers can refuse (they read the data): one `error:` line
+    naming the checkpoint, and again no file changes (the new config.yaml waits, pending, until
+    an attempt begins; summary.json stays "finished")."""
     argv = ["train", *TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
             "run.name=crash", "train.max_steps=14", "checkpoint.every_steps=4",
             "fault.crash_at_step=8", "fault.crash_rank=1", "log.progress=lines",
@@ -153,6 +156,33 @@ def test_a_crash_is_one_line_of_ours_and_a_rerun_changes_nothing(other_cluster, 
     assert again.returncode == 0, out[-3000:]
     assert "run crash already finished at step 14" in out and "train.max_steps=28" in out
     assert snapshot_files(folder) == before
+
+    checkpoint = max(p for p in folder.glob("checkpoint_0*") if p.is_dir())
+    edit_cursor(checkpoint)
+    before = snapshot_files(folder)
+    request.getfixturevalue("ray_cluster")  # the module's, now: no start of its own
+    capsys.readouterr()
+    code = main([*argv, "train.max_steps=28"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1, errors
+    assert f"checkpoint {checkpoint.name}: data partition" in errors[0], errors
+    changed = {k for k in before.keys() | snapshot_files(folder).keys()
+               if before.get(k) != snapshot_files(folder).get(k)}
+    assert not changed, sorted(changed)
+
+
+def edit_cursor(checkpoint: Path) -> None:
+    """Move one data cursor of a checkpoint by one micro-batch, as a hand edit would (its
+    manifest follows, so the checkpoint still counts as complete)."""
+    state_file = checkpoint / "state.json"
+    state = json.loads(state_file.read_text())
+    cursors = state["train_state"]["cursors"]
+    assert cursors, "the checkpoint is at an epoch's end: nothing to edit"
+    cursors[min(cursors)][1] += 1
+    state_file.write_text(json.dumps(state))
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"]["state.json"] = state_file.stat().st_size
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _held(run_ids_before: set[str]) -> tuple[list[str], list[str]]:

@@ -139,3 +139,94 @@ def test_resumes_are_counted_apart_from_restarts():
                            {"cause": "restart"}]) == {"restarts": 2, "resumes": 1}
     assert attempt_counts([{}, {}, {}]) == {"restarts": 2, "resumes": 0}  # before causes were kept
     assert attempt_counts([]) == {"restarts": 0, "resumes": 0}
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _earlier_run(root: Path) -> Path:
+    folder = root / "run"
+    folder.mkdir()
+    for name, text in [("config.yaml", "train: {max_steps: 10}\n"), ("dataset.json", "{}"),
+                       ("summary.json", '{"status": "finished"}'), ("events.jsonl", '{"a": 1}\n'),
+                       ("attempts.json", "[]")]:
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_a_resume_that_never_began_leaves_the_folder_as_it_was(tmp_path):
+    """Staged files are removed, appended ones cut back, rewritten ones put back, new ones
+    removed; nothing written after the discard lands (a worker's late event)."""
+    from elastic_train.observe.runfolder import RunFolder
+
+    folder = _earlier_run(tmp_path)
+    before = _files(folder)
+    run = RunFolder(str(folder))
+    assert run.resuming and not run.accepted
+    run.stage("config.yaml", "train: {max_steps: 20}\n")
+    run.stage("config.20261205-070000.yaml", "train: {max_steps: 10}\n")
+    assert (folder / "config.yaml.pending").is_file()
+    assert (folder / "config.yaml").read_text() == "train: {max_steps: 10}\n"  # export reads this
+    run.append("events.jsonl", ['{"event": "worker_started"}'])
+    run.write("attempts.json", '[{"attempt": 0}]')
+    run.write("faults.json", "{}")
+    run.discard()
+    run.append("events.jsonl", ['{"event": "fatal"}'])
+    run.write("summary.json", '{"status": "failed"}')
+    run.accept()  # too late: a discarded fit stays discarded
+    assert _files(folder) == before
+
+
+def test_an_accepted_resume_promotes_its_config_and_keeps_what_it_wrote(tmp_path):
+    from elastic_train.observe.runfolder import RunFolder
+
+    folder = _earlier_run(tmp_path)
+    run = RunFolder(str(folder))
+    run.stage("config.20261205-070000.yaml", "train: {max_steps: 10}\n")
+    run.stage("config.yaml", "train: {max_steps: 15}\n")
+    run.stage("config.yaml", "train: {max_steps: 20}\n")  # staged again: the last one counts
+    run.append("events.jsonl", ['{"event": "worker_started"}'])
+    run.accept()
+    run.discard()  # too late: an accepted run keeps its files
+    assert (folder / "config.yaml").read_text() == "train: {max_steps: 20}\n"
+    assert (folder / "config.20261205-070000.yaml").read_text() == "train: {max_steps: 10}\n"
+    assert not list(folder.glob("*.pending"))
+    assert (folder / "events.jsonl").read_text().count("\n") == 2
+    run.stage("provenance.json", "{}")  # after acceptance a staged file is written at once
+    assert (folder / "provenance.json").is_file()
+
+
+def test_stale_pending_files_are_removed_and_a_new_run_is_not_resuming(tmp_path):
+    """A driver killed before acceptance left its staged files: the next fit removes them. A
+    folder without config.yaml holds no earlier run: nothing is journaled there."""
+    from elastic_train.observe.runfolder import RunFolder
+
+    folder = _earlier_run(tmp_path)
+    (folder / "config.yaml.pending").write_text("stale")
+    assert RunFolder(str(folder)).resuming and not (folder / "config.yaml.pending").exists()
+    fresh = RunFolder(str(tmp_path / "new"))
+    assert not fresh.resuming
+    fresh.append("events.jsonl", ["{}"])
+    fresh.discard()  # nothing journaled: settle() keeps a new run's folder (its failure's record)
+    assert (tmp_path / "new" / "events.jsonl").is_file()
+
+
+def test_ray_log_discard_cuts_the_file_back_and_drops_later_lines(tmp_path):
+    from elastic_train.cluster.console import RayLog
+
+    path = tmp_path / "ray.log"
+    path.write_text("an earlier fit's line\n")
+    log = RayLog()
+    log.write(["held before the folder was known"])
+    log.open(path)
+    log.write(["this fit's line"])
+    log.discard()
+    log.write(["a line after the discard"])
+    assert path.read_text() == "an earlier fit's line\n"
+    new = RayLog()
+    new.open(tmp_path / "new.log")
+    new.discard()
+    assert not (tmp_path / "new.log").exists()
+    log.close()
+    new.close()

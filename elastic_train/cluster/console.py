@@ -39,6 +39,7 @@ If a later Ray moves them, `route_forwarded_lines` raises and tests/test_console
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -187,19 +188,39 @@ class RayLog(logging.Handler):
             "%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
         self._pending: list[str] = []
         self._file = None
+        self._size_before: int | None = None  # the file's size when opened (None: it was not there)
+        self._dropping = False  # discarded: later lines go nowhere
 
     def open(self, path: str | Path) -> None:
         """Append to `path` from now on, starting with what was held."""
         with self.lock:
+            self._size_before = os.path.getsize(path) if os.path.isfile(path) else None
             self._file = open(path, "a", encoding="utf-8")  # closed by close()
             self._write_now(self._pending)
             self._pending = []
+
+    def discard(self) -> None:
+        """Take back what this fit wrote (one that ended before it began leaves an earlier run's
+        folder as it was: runfolder.py); later lines are dropped."""
+        with self.lock:
+            self._dropping, self._pending = True, []
+            if self._file is None:
+                return
+            path = self._file.name
+            self._file.close()
+            self._file = None
+            if self._size_before is None:
+                os.remove(path)
+            else:
+                os.truncate(path, self._size_before)
 
     def emit(self, record: logging.LogRecord) -> None:
         self.write([self.format(record)])
 
     def write(self, lines: list[str]) -> None:
         with self.lock:
+            if self._dropping:
+                return
             if self._file is None:
                 self._pending.extend(lines)
             else:

@@ -32,7 +32,7 @@ from elastic_train.cluster.worker import train_worker
 from elastic_train.config import Config, config_changes
 from elastic_train.data.dataset import DatasetInfo, extra_columns, inspect_dataset
 from elastic_train.data.prepare import default_corpus_dir
-from elastic_train.observe.runfolder import run_uri
+from elastic_train.observe.runfolder import CONFIG_FILE, run_uri
 from elastic_train.preflight.checks import (
     IDENTITY_FILE,
     data_identity,
@@ -300,19 +300,22 @@ def _changed_keys(old_yaml: str, cfg: Config) -> str:
 
 
 def save_config(cfg: Config, runlog) -> None:
-    """config.yaml is the resolved config; an earlier, different one is kept beside it."""
+    """config.yaml is the resolved config; an earlier, different one is kept beside it. Both, and
+    the data identity, are staged: they take their names once the run is accepted (runfolder.py),
+    so a resume refused on the workers leaves the accepted config.yaml in place."""
     folder = ray.get(runlog.local_folder.remote())
-    path = os.path.join(folder, "config.yaml")
+    path = os.path.join(folder, CONFIG_FILE)
     text = cfg.to_yaml()
     if os.path.exists(path):
         with open(path) as f:
             old = f.read()
         if old != text:
             stamp = time.strftime("%Y%m%d-%H%M%S")
-            ray.get(runlog.write_file.remote(f"config.{stamp}.yaml", old))
-            logger.warning("run %s: config differs from the saved one (%s); kept it as "
-                           "config.%s.yaml", cfg.run.name, _changed_keys(old, cfg), stamp)
-    ray.get(runlog.write_file.remote("config.yaml", text))
+            ray.get(runlog.stage_file.remote(f"config.{stamp}.yaml", old))
+            logger.warning("run %s: config differs from the saved one (%s); keeping it as "
+                           "config.%s.yaml once the run starts", cfg.run.name,
+                           _changed_keys(old, cfg), stamp)
+    ray.get(runlog.stage_file.remote(CONFIG_FILE, text))
     path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
     identity = data_identity(cfg, inspect_dataset(path))  # what check_resumable compares with
-    ray.get(runlog.write_file.remote(IDENTITY_FILE, json.dumps(identity, indent=2)))
+    ray.get(runlog.stage_file.remote(IDENTITY_FILE, json.dumps(identity, indent=2)))

@@ -5,8 +5,10 @@ calls, so the loop never waits for storage and never calls `ray.train.report` ju
 actor appends to `metrics.jsonl` and `consumed/*.jsonl`, keeps `attempts.json` (the world size and
 start time of every attempt: restarts survive a driver restart too), and serves the latest state to
 the driver's progress display. For a remote `run.storage_path` (s3://, gs://, ...) it writes a local
-staging copy and uploads it on `flush`. It also exports the run's figures through Ray's metrics API
-(`raymetrics.py`).
+staging copy and uploads it on `flush`. A fit's new config is staged until its first attempt
+begins, and a fit that ends before that leaves an earlier run's folder as it was
+(observe/runfolder.py: `stage_file`, `accept`, `settle`). It also exports the run's figures
+through Ray's metrics API (`raymetrics.py`).
 """
 
 from __future__ import annotations
@@ -15,71 +17,21 @@ import functools
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs as pafs
 import ray
 
 from elastic_train.cluster.raycompat import committed_step
 from elastic_train.cluster.raymetrics import RunMetrics
-from elastic_train.observe.runfolder import split_uri
+from elastic_train.observe.runfolder import RunFolder
 from elastic_train.observe.tb import TensorBoardWriter
 from elastic_train.observe.tracking import Tracker, build_backends
 from elastic_train.recovery.fence import end_process
 
 WINDOW_STEPS = 10  # steps in the progress line's tokens/s
-
-
-class RunFolder:
-    """Files of `<storage_path>/<name>/`; for remote storage through a local staging folder."""
-
-    def __init__(self, run_uri: str) -> None:
-        self.fs, self.remote_path, self.is_local = split_uri(run_uri)
-        if self.is_local:
-            self.local = Path(self.remote_path)
-        else:
-            self.local = Path(tempfile.mkdtemp(prefix="elastic-train-run-"))
-            self._download()
-        self.local.mkdir(parents=True, exist_ok=True)
-
-    def _download(self) -> None:
-        selector = pafs.FileSelector(self.remote_path, allow_not_found=True, recursive=True)
-        for info in self.fs.get_file_info(selector):
-            rel = os.path.relpath(info.path, self.remote_path)
-            if info.type == pafs.FileType.File and not rel.startswith("checkpoint"):
-                dest = self.local / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                with self.fs.open_input_stream(info.path) as src:
-                    dest.write_bytes(src.read())
-
-    def path(self, name: str) -> Path:
-        return self.local / name
-
-    def append(self, name: str, lines: list[str]) -> None:
-        path = self.local / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write("".join(line + "\n" for line in lines))
-
-    def write(self, name: str, text: str) -> None:
-        path = self.local / name
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-
-    def read_json(self, name: str, default: Any) -> Any:
-        path = self.local / name
-        return json.loads(path.read_text()) if path.is_file() else default
-
-    def sync(self) -> None:
-        """Upload the staging copy (remote storage only)."""
-        if not self.is_local:
-            self.fs.create_dir(self.remote_path, recursive=True)
-            pafs.copy_files(str(self.local), self.remote_path, destination_filesystem=self.fs)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -90,7 +42,9 @@ class RunLog:
                  tracking: dict[str, Any] | None = None) -> None:
         self.folder = RunFolder(run_uri)
         self.tb = TensorBoardWriter(self.folder.local) if tensorboard else None
-        self.tracker = self._start_tracker(tracking) if tracking else None
+        # an earlier run's tracked runs are reopened only once this fit is accepted (`accept`)
+        self.tracking = tracking
+        self.tracker = self._start_tracker(tracking) if tracking and not self.folder.resuming else None
         self.attempts: list[dict] = self.folder.read_json("attempts.json", [])
         self.faults: dict[str, bool] = self.folder.read_json("faults.json", {})
         self.latest: dict[str, Any] | None = None
@@ -119,7 +73,8 @@ class RunLog:
     def begin_attempt(self, world_size: int) -> int:
         """Record a new attempt (a start or restart of the worker group); return its index. Its
         `cause`: start (the run's first), resume (a new driver's first: the user ran it again) or
-        restart (after a failure)."""
+        restart (after a failure). The first accepts the run (`accept`)."""
+        self.accept()
         cause = "start" if not self.attempts else "restart" if self.session_attempts else "resume"
         self.session_attempts += 1
         self.attempts.append({"attempt": len(self.attempts), "world_size": world_size,
@@ -129,6 +84,27 @@ class RunLog:
         if self.tracker is not None:
             self.tracker.attempt(len(self.attempts) - 1, world_size)
         return len(self.attempts) - 1
+
+    def stage_file(self, name: str, text: str) -> None:
+        """A file of this fit's config, written once the run is accepted (observe/runfolder.py)."""
+        self.folder.stage(name, text)
+
+    def accept(self) -> None:
+        """The run is accepted (its first attempt begins): the staged files take their names, and
+        an earlier run's tracked runs are reopened."""
+        self.folder.accept()
+        if self.tracking and self.tracker is None:
+            self.tracker = self._start_tracker(self.tracking)
+
+    def settle(self) -> bool:
+        """The fit is over: True if its files stay (the run was accepted, or the folder is a new
+        run's, which keeps the record of its failure); False if it was an earlier run's folder
+        and the fit never began: the folder is as it was before, and nothing more is written."""
+        if self.folder.accepted or not self.folder.resuming:
+            self.accept()
+            return True
+        self.folder.discard()
+        return False
 
     def begin_group_attempt(self, token: str, world_size: int) -> int:
         """In-place recovery: every worker of a group start asks with the same token (inplace.py);

@@ -1,12 +1,31 @@
-"""Where a run's folder is: `<run.storage_path>/<run.name>`, local or any pyarrow.fs URI."""
+"""The run's folder: where it is (`<run.storage_path>/<run.name>`, local or any pyarrow.fs URI),
+and its files as the RunLog actor writes them (`RunFolder`).
+
+A run is *accepted* once its first attempt begins: the workers have built the model, restored
+the checkpoint and checked its data position. Until then a fit changes nothing that an earlier
+fit left: its new config (config.yaml, and dataset.json and provenance.json with it) is staged
+beside as `<name>.pending` and promoted on acceptance, and in the folder of an earlier run
+every other file written is journaled, so that a fit that ends before it began (a checkpoint
+the workers refuse, a model that does not fit a worker) leaves that folder byte for byte as it
+was: config.yaml (which `export` and `sample` read) stays the accepted one, summary.json of a
+finished run stays "finished".
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 
 from elastic_train.config import Config, check_run_name
+
+PENDING = ".pending"  # a staged file's suffix until the run is accepted
+CONFIG_FILE = "config.yaml"  # the accepted resolved config: its presence marks an earlier run
 
 
 def run_uri(cfg: Config) -> str:
@@ -24,3 +43,114 @@ def split_uri(path: str) -> tuple[pafs.FileSystem, str, bool]:
         fs, fs_path = pafs.FileSystem.from_uri(path)
         return fs, fs_path, isinstance(fs, pafs.LocalFileSystem)
     return pafs.LocalFileSystem(), os.path.abspath(path), True
+
+
+class RunFolder:
+    """Files of `<storage_path>/<name>/`; for remote storage through a local staging folder.
+    Staged files, the journal and acceptance: see the module docstring."""
+
+    def __init__(self, run_uri: str) -> None:
+        self.fs, self.remote_path, self.is_local = split_uri(run_uri)
+        if self.is_local:
+            self.local = Path(self.remote_path)
+        else:
+            self.local = Path(tempfile.mkdtemp(prefix="elastic-train-run-"))
+            self._download()
+        self.local.mkdir(parents=True, exist_ok=True)
+        for stale in self.local.glob("*" + PENDING):  # staged by a driver killed before acceptance
+            stale.unlink()
+        self.resuming = (self.local / CONFIG_FILE).is_file()  # an earlier fit's folder
+        self.accepted = False
+        self.discarded = False  # the fit ended unaccepted: nothing more is written
+        self._staged: list[str] = []  # names staged, in the order they are promoted
+        # name: its bytes before (a file rewritten) or its size (one appended to); None: absent
+        self._journal: dict[str, bytes | int | None] = {}
+        self._lock = threading.Lock()  # the RunLog takes several calls at once
+
+    def _download(self) -> None:
+        selector = pafs.FileSelector(self.remote_path, allow_not_found=True, recursive=True)
+        for info in self.fs.get_file_info(selector):
+            rel = os.path.relpath(info.path, self.remote_path)
+            if info.type == pafs.FileType.File and not rel.startswith("checkpoint"):
+                dest = self.local / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with self.fs.open_input_stream(info.path) as src:
+                    dest.write_bytes(src.read())
+
+    def path(self, name: str) -> Path:
+        return self.local / name
+
+    def append(self, name: str, lines: list[str]) -> None:
+        path = self.local / name
+        with self._lock:
+            if self.discarded:
+                return
+            self._remember(name, lambda: path.stat().st_size)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write("".join(line + "\n" for line in lines))
+
+    def write(self, name: str, text: str) -> None:
+        path = self.local / name
+        with self._lock:
+            if self.discarded:
+                return
+            self._remember(name, path.read_bytes)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+
+    def _remember(self, name: str, before) -> None:
+        """Journal a file's state before this fit first touches it (an earlier run's folder,
+        until the run is accepted)."""
+        if self.resuming and not self.accepted and name not in self._journal:
+            self._journal[name] = before() if (self.local / name).is_file() else None
+
+    def stage(self, name: str, text: str) -> None:
+        """Write `name` as it will be once the run is accepted (at once, if it is)."""
+        with self._lock:
+            if self.discarded:
+                return
+            if not self.accepted:
+                (self.local / (name + PENDING)).write_text(text)
+                if name not in self._staged:
+                    self._staged.append(name)
+                return
+        self.write(name, text)
+
+    def accept(self) -> None:
+        """The run is accepted: the staged files take their names, the journal is dropped."""
+        with self._lock:
+            if self.accepted or self.discarded:
+                return
+            for name in self._staged:
+                os.replace(self.local / (name + PENDING), self.local / name)
+            self._staged, self._journal, self.accepted = [], {}, True
+
+    def discard(self) -> None:
+        """The fit ended before it began: remove what it staged, put back every file it
+        touched; nothing more is written."""
+        with self._lock:
+            if self.accepted or self.discarded:
+                return
+            self.discarded = True
+            for name in self._staged:
+                (self.local / (name + PENDING)).unlink(missing_ok=True)
+            for name, before in self._journal.items():
+                path = self.local / name
+                if before is None:
+                    path.unlink(missing_ok=True)
+                elif isinstance(before, int):
+                    os.truncate(path, before)
+                else:
+                    path.write_bytes(before)
+
+    def read_json(self, name: str, default: Any) -> Any:
+        path = self.local / name
+        return json.loads(path.read_text()) if path.is_file() else default
+
+    def sync(self) -> None:
+        """Upload the staging copy (remote storage only; nothing once discarded)."""
+        if not self.is_local and not self.discarded:
+            self.fs.create_dir(self.remote_path, recursive=True)
+            pafs.copy_files(str(self.local), self.remote_path, destination_filesystem=self.fs)
