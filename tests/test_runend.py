@@ -125,7 +125,10 @@ def test_a_crash_is_one_line_of_ours_and_a_rerun_changes_nothing(other_cluster, 
     ours = [line for line in out.splitlines() if OURS.match(line)]
     assert len(ours) == 1, out[-4000:]
     assert ours[0].startswith("attempt 0: rank 1 on node ") and "its process died" in ours[0]
-    assert "resumed from the checkpoint of step" in ours[0] and ours[0].endswith("with 2 workers")
+    # the line waits up to RESUME_LINE_WAIT_S for the next attempt's size (a loaded machine
+    # restarts slower): then it says where it restarts from instead
+    assert re.search(r"; (resumed from the checkpoint of step \d+ with 2 workers|restarting from "
+                     r"the checkpoint of step \d+)$", ours[0]), ours[0]
     for noise in ("Traceback", "A worker died or was killed", "Token authentication",
                   "Found multiple active Ray instances", "Failed to register placement group"):
         assert noise not in out, out[-4000:]
@@ -148,7 +151,8 @@ def test_a_crash_is_one_line_of_ours_and_a_rerun_changes_nothing(other_cluster, 
     events = [json.loads(x) for x in (folder / "events.jsonl").read_text().splitlines()]
     share = [e for e in events if e["event"] == "cpu_share"][0]
     assert share["helpers"] >= 5, share  # GCS, raylet, dashboard, agents, controller, RunLog...
-    assert share["training"] == (2 if os.geteuid() == 0 else 0), share
+    # both workers of each attempt (raised only where the user may: root)
+    assert share["training"] == (2 * (1 + summary["restarts"]) if os.geteuid() == 0 else 0), share
 
     before = snapshot_files(folder)
     again = _console(*argv, cwd=tmp_path)
