@@ -6,8 +6,9 @@ Each schedule is a seeded draw (recovery/chaos.py: three faults, kinds and ranks
 least two checkpoints apart) run as fault.schedule on the embedded GPT (tiny) over two epochs, with
 2 CPU workers on a local Ray cluster. The seeds cycle through the setups: restart mode (crash,
 SIGKILL from another process, driver SIGTERM then the same command again), train.sharding=fsdp
-(the same kinds), and with --in-place in place (crash and SIGKILL; a drawn schedule may kill the
-last replica left, which was seen to wait 300 s in torchft's store before the restore). A run that
+(the same kinds), in place (crash and SIGKILL; a drawn schedule may kill the last replica left,
+whose replacements then restore the last checkpoint; a fault aimed at participating rank 1 while
+one replica trains alone does not fire: faults_injected counts those that did). A run that
 is stopped is run again until it finishes, as a user would. Each is compared with the
 uninterrupted run of its setup (run once): the sample ids of every step, every step's loss,
 every checkpoint's data cursors and the final weights, to the bit. Prints one JSON line per
@@ -39,9 +40,8 @@ TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "data.max_seq_l
         "data.record_ids=true", "checkpoint.every_steps=4", "checkpoint.keep=100",
         "scaling.max_failures=4", "train.epochs=2", "train.max_steps=1000"]
 SETUPS = {"restart": ([], ("crash", "kill", "stop")),
-          "fsdp": (["train.sharding=fsdp"], ("crash", "kill", "stop"))}
-if "--in-place" in sys.argv:  # a drawn schedule may kill the last replica left: see the note below
-    SETUPS["in_place"] = (["fault.recovery=in_place"], ("crash", "kill"))
+          "fsdp": (["train.sharding=fsdp"], ("crash", "kill", "stop")),
+          "in_place": (["fault.recovery=in_place"], ("crash", "kill"))}
 
 
 def corpus(folder: Path) -> str:
@@ -106,7 +106,6 @@ def main() -> None:
     parser.add_argument("--schedules", type=int, default=20)
     parser.add_argument("--first-seed", type=int, default=100)
     parser.add_argument("--storage", default=None, help="folder for the runs (default: a temporary one)")
-    parser.add_argument("--in-place", action="store_true", help="also the in-place setup")
     args = parser.parse_args()
     root = Path(args.storage or tempfile.mkdtemp(prefix="soak-"))
     data = corpus(root / "data") if not (root / "data").is_dir() else str(root / "data")

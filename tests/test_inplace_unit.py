@@ -8,9 +8,12 @@ import itertools
 import signal
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
+import torch
 from test_plan import K, spec, table_of, write_rows
 
 from elastic_train import load_config
@@ -18,7 +21,10 @@ from elastic_train.config import ConfigError
 from elastic_train.data.blocks import BlockReader, iter_rank_steps
 from elastic_train.data.plan import owned_partitions
 from elastic_train.recovery.fence import MissingReplicas, end_process
-from elastic_train.recovery.inplace import PartitionPool
+from elastic_train.recovery.inplace import PartitionPool, _join_quorum
+from elastic_train.recovery.replica import Replica
+from elastic_train.training.checkpoint import snapshot, write_checkpoint
+from elastic_train.training.step import TrainState
 
 pytestmark = pytest.mark.unit
 
@@ -115,3 +121,131 @@ def test_end_process_kills_a_frozen_process_only_if_it_is_the_one_that_went_miss
     finally:
         child.kill()
         child.wait()
+
+
+class _Manager:
+    """torchft's Manager as `_join_quorum` uses it: `quorum` is what its next quorum does to the
+    replica (a heal: load_state_dict of a peer's state) and whether it ends in an error."""
+
+    def __init__(self, replica: Replica, participants: int) -> None:
+        self.replica, self.participants = replica, participants
+        self.quorum: tuple[dict | None, Exception | None] = (None, None)
+        self.step, self.errors = replica.t.state.step, []
+
+    def start_quorum(self) -> None:
+        heal, self.error = self.quorum
+        if heal is not None:
+            self.replica.load_state_dict(heal)
+
+    def errored(self) -> Exception | None:
+        return self.error
+
+    def report_error(self, exc: Exception) -> None:
+        self.errors.append(exc)
+
+    def should_commit(self) -> bool:
+        return False
+
+    def num_participants(self) -> int:
+        return self.participants
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = sd["step"]
+
+
+class _Env(SimpleNamespace):
+    joining, heal_first, startup = True, True, {}
+
+    def run_finished(self):
+        return None
+
+    def latest_step(self):
+        return 16  # the run's latest committed step, beyond its last checkpoint (12)
+
+    def latest_checkpoint_dir(self):
+        return self.checkpoint
+
+    def log_event(self, record):
+        self.events.append(record)
+
+
+class _Pool:
+    def at_epoch(self, epoch: int) -> None:
+        pass
+
+    def epoch_over(self, cursors) -> bool:
+        return False
+
+
+def _replica(step: int = 0, unrestored: bool = False) -> Replica:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    t = SimpleNamespace(raw_model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        state=TrainState(step=step), setup=SimpleNamespace(scaler=None))
+    replica = Replica(t, unrestored=unrestored)
+    replica.manager = _Manager(replica, participants=1)
+    return replica
+
+
+def test_a_replacement_heals_only_from_a_peer_that_holds_the_runs_state():
+    """torchft heals every replica from the quorum's first when its highest step is 0 (its
+    first-step sync). A replacement without the run's state refuses that from a peer as fresh as
+    itself (issue 39: it then trained from step 0); it takes a heal from a peer that has the
+    state, and a replica of a group start takes the first-step sync as before."""
+    fresh, holder = _replica(unrestored=True), _replica(step=40)
+    with torch.no_grad():
+        holder.t.raw_model.weight.add_(1.0)
+    assert fresh.state_dict()["holds_run_state"] is False
+    fresh.load_state_dict(_replica(unrestored=True).state_dict())
+    assert fresh.unrestored and fresh.heals == 0 and fresh.healed_from_step is None
+    fresh.load_state_dict(holder.state_dict())
+    assert not fresh.unrestored and fresh.healed_from_step == 40
+    assert torch.equal(fresh.t.raw_model.weight, holder.t.raw_model.weight)
+    starting = _replica()
+    starting.load_state_dict(_replica().state_dict())
+    assert starting.heals == 1 and starting.healed_from_step == 0
+
+
+@pytest.mark.parametrize("participants", [1, 2])
+def test_with_no_live_replica_holding_the_state_a_replacement_restores_at_once(tmp_path,
+                                                                               participants):
+    """The last replica with the run's state was lost before its replacement joined: every
+    replica of the quorum is fresh (alone, or with another replacement whose first-step sync it
+    refuses). It restores the last checkpoint (step 12) in that same quorum, without waiting for
+    a heal that cannot come, and trains on from it at the next quorum, alone or not: it holds the
+    newest state there is, not a state "behind the run" (the run got to step 16)."""
+    saved = _replica(step=12)
+    checkpoint = tmp_path / "checkpoint_000000012"
+    write_checkpoint(snapshot(saved.t.raw_model, saved.t.optimizer, None,
+                              {"step": 12, "epoch": 0, "step_in_epoch": 0}, {}, 2), checkpoint)
+    env, cfg = _Env(checkpoint=str(checkpoint), events=[]), load_config(None, [])
+    replica = _replica(unrestored=True)
+    replica.manager.participants = participants
+    if participants == 2:  # the other replacement is the quorum's first: its sync is refused
+        replica.manager.quorum = (_replica(unrestored=True).state_dict(), None)
+    far = time.monotonic() + 600  # a heal deadline far off: nothing waits for it
+    assert _join_quorum(env, replica, cfg, _Pool(), True, far) == "wait"
+    assert replica.t.state.step == 12 and replica.manager.step == 12 and not replica.unrestored
+    assert len(replica.manager.errors) == 1  # this quorum trains no step
+    restored = [e for e in env.events if e["event"] == "restored_instead_of_healing"]
+    assert restored == [{"event": "restored_instead_of_healing", "step": 12,
+                         "reason": "no live replica holds the run's state"}]
+    assert torch.equal(replica.t.raw_model.weight, saved.t.raw_model.weight)
+    replica.manager.quorum = (None, None)
+    assert _join_quorum(env, replica, cfg, _Pool(), True, far) == "train"
+
+
+def test_a_replacement_whose_heal_failed_waits_for_the_next_quorum_until_its_deadline(tmp_path):
+    """A quorum with a peer to heal from whose heal failed (the peer died sending it): the next
+    quorum may bring another; only past the deadline does the replacement restore instead. With
+    nothing to restore at all (no checkpoint yet), it trains from the built state at once."""
+    env, cfg = _Env(checkpoint=None, events=[]), load_config(None, [])
+    replica = _replica(unrestored=True)
+    replica.manager.quorum = (None, RuntimeError("the peer died sending the heal"))
+    assert _join_quorum(env, replica, cfg, _Pool(), True, time.monotonic() + 600) == "wait"
+    assert replica.unrestored and not env.events
+    assert _join_quorum(env, replica, cfg, _Pool(), True, time.monotonic() - 1) == "wait"
+    assert not replica.unrestored and env.events[0]["reason"] == "no heal within its deadline"
+    fresh = _replica(unrestored=True)
+    assert _join_quorum(env, fresh, cfg, _Pool(), True, time.monotonic() + 600) == "train"
+    assert fresh.t.state.step == 0 and not fresh.manager.errors

@@ -12,7 +12,8 @@ at any number of participants. A step whose all-reduce failed (a peer died in it
 (`should_commit`): nothing changes, and the next quorum trains it again from the same cursors, so
 every sample is trained exactly once. A replacement that Ray starts heals from a live peer inside
 the quorum (torchft's checkpoint transport: model, optimizer, counters and all cursors) and takes
-part in the same step.
+part in the same step; when no live replica holds the run's state (the last one was lost before
+the replacement joined), the replacements restore the last checkpoint at once (replica.py).
 
 What stays as in `restart` mode: checkpoints (now written by one replica, whole, and reported by
 every worker only at steps where every worker took part), so that a whole-cluster loss or a run
@@ -40,7 +41,14 @@ from elastic_train.data.batches import MicroBatch
 from elastic_train.data.blocks import BlockReader, Cursor, PartitionStream, make_reader
 from elastic_train.data.plan import StreamSpec, assign_blocks, owned_partitions
 from elastic_train.recovery.fence import Fencer
-from elastic_train.recovery.replica import InPlaceEnv, Replica, start_manager
+from elastic_train.recovery.replica import (
+    STALE_POLL_S,
+    InPlaceEnv,
+    Replica,
+    behind_the_run,
+    settle_unrestored,
+    start_manager,
+)
 from elastic_train.training.build import Training, build_training
 from elastic_train.training.checkpoint import BestCheckpointWriter, snapshot
 from elastic_train.training.env import WorkerEnv
@@ -57,9 +65,8 @@ from elastic_train.training.optim import lr_at, set_lr
 from elastic_train.training.step import TrainState, accumulate, optimizer_step
 
 SLOTS = ("loss", "targets", "real", "padded", "rows", "micro_batches")
-STALE_POLL_S = 0.2  # a joiner alone behind the run: how often it looks for its peers again
 # a replacement that skipped its restore waits this many fault.in_place_timeout_s for a peer to
-# heal from (a heal takes at most one), then restores the last checkpoint instead
+# heal from when its heals fail (a heal takes at most one), then restores the last checkpoint
 HEAL_WAIT_TIMEOUTS = 3
 
 
@@ -211,10 +218,29 @@ def in_place_step(t: Training, manager: Any, env: InPlaceEnv, layout: Layout,
                        ids, grad_norm, skipped, t1 - t0, time.perf_counter() - t1)
 
 
-def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
-                  loss_fn: LossFn | None = None) -> None:
-    """Run (or resume) training on this worker as one replica among the live ones."""
-    k = num_partitions(cfg)
+@dataclass
+class ReplicaRun:
+    """What one replica's loop holds from its start to its end (`start_replica`)."""
+
+    cfg: Config
+    env: InPlaceEnv
+    t: Training
+    replica: Replica
+    layout: Layout
+    reader: BlockReader
+    pool: PartitionPool
+    attempt: int
+    flops_per_token: float
+    best: BestCheckpointWriter | None = None  # made by the first replica that logs an evaluation
+    committed_here: int = 0  # steps this process committed
+    seen: tuple[int, int] | None = None  # the last (quorum id, participants) logged
+    prank: int | None = None  # this replica's rank among the last quorum's participants
+
+
+def start_replica(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None,
+                  loss_fn: LossFn | None) -> ReplicaRun:
+    """Build (restoring the last checkpoint, unless a live peer is to heal this replacement),
+    start the Manager, join the attempt, open the data; log the start."""
     layout = Layout.of(cfg, env.world_size)
     # a replacement while a peer trains heals from it at the run's current step: restoring the
     # last checkpoint first would only cost time (issue 32: ten replacements each read one)
@@ -222,7 +248,7 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
     t = build_training(cfg, env, model_fn, loss_fn, reduce_extra=layout.size)
     check_restored_position(cfg, env, t.state)
     replica = Replica(t, unrestored=env.heal_first)
-    manager = start_manager(cfg, env, replica)
+    start_manager(cfg, env, replica)
     attempt = env.begin_attempt()
     reader = make_reader("pyarrow", env.block_table, env.extra_columns,
                          input_embedding_rows(t.raw_model))
@@ -232,94 +258,118 @@ def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
     env.log_event({"event": "start", "attempt": attempt, "world_size": env.world_size,
                    "resumed_step": t.state.step, "rank": env.world_rank, "recovery": "in_place",
                    "joining": env.joining, "build_peak_rss_bytes": t.build_peak_bytes})
-    evaluating = env.eval_table is not None
-    best = None  # the best-checkpoint writer, made by the first replica that logs an evaluation
-    committed_here = 0  # steps this process committed
-    seen, prank = None, None  # the last (quorum id, participants) logged; the participating rank
+    return ReplicaRun(cfg, env, t, replica, layout, reader, pool, attempt, flops_per_token)
+
+
+def in_place_loop(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None = None,
+                  loss_fn: LossFn | None = None) -> None:
+    """Run (or resume) training on this worker as one replica among the live ones."""
+    run = start_replica(cfg, env, model_fn, loss_fn)
     fencer = Fencer(env.fence_after_s, lambda rank, pid, missing_s: _fence(env, rank, pid, missing_s))
     stale_deadline = time.monotonic() + cfg.scaling.collective_timeout_s
     heal_deadline = time.monotonic() + HEAL_WAIT_TIMEOUTS * cfg.fault.in_place_timeout_s
     try:
-        while not _advance(t.state, cfg, pool):
-            env.step_began(t.state.step + 1)
+        while not _advance(run.t.state, cfg, run.pool):
+            env.step_began(run.t.state.step + 1)
             t0 = time.perf_counter()
-            stale = committed_here == 0 and time.monotonic() < stale_deadline
-            verdict = _join_quorum(env, replica, cfg, pool, stale, heal_deadline)
-            if verdict != "train":
+            stale = run.committed_here == 0 and time.monotonic() < stale_deadline
+            verdict = _join_quorum(env, run.replica, cfg, run.pool, stale, heal_deadline)
+            if verdict == "over":
                 env.step_ended(None)
-                if verdict == "over":
-                    break
-                continue
-            n, prank = manager.num_participants(), manager.participating_rank()
-            env.participating_rank = prank
-            if (manager._quorum_id, n) != seen:  # torchft 0.2.0 keeps the quorum id private
-                seen = (manager._quorum_id, n)
-                env.log_event({"event": "quorum", "step": t.state.step + 1, "participants": n,
-                               "participating_rank": prank, "quorum_id": seen[0]})
-            state = t.state
-            t_data = time.perf_counter()
-            micro_batches, after = pool.take(owned_partitions(prank, n, k) if prank is not None else [],
-                                             state_cursors(state))
-            wait_s = time.perf_counter() - t_data
-            lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
-            r = in_place_step(t, manager, env, layout, micro_batches, after, lr=lr,
-                              grad_clip=cfg.train.grad_clip)
-            if r is None:
-                env.log_event({"event": "step_not_committed", "step": state.step + 1,
-                               "participants": n, "error": repr(manager.errored())[:300]})
+                break
+            if verdict != "train" or not _train_step(run, fencer, t0):
                 env.step_ended(None)
                 continue
-            state.cursors = r.cursors
-            if state.count_step(r.skipped, r.real, r.padded, r.rows, cfg.train.max_consecutive_skips):
-                env.handle_nonfinite(state.step, micro_batches)
-            committed_here += 1
-            fencer.observe(r.pids, acting=prank == 0)
-            step_time_s = time.perf_counter() - t0
-            # every participant sends it (the RunLog keeps the first): a replica lost right
-            # after the step leaves no gap in metrics.jsonl or consumed/
-            env.log_committed({"step": state.step, "epoch": state.epoch, "time": time.time(),
-                               "attempt": attempt, "world_size": n, "loss": r.loss, "lr": lr,
-                               "grad_norm": r.grad_norm, "real_tokens": int(r.real),
-                               "padded_tokens": int(r.padded), "step_time_s": step_time_s,
-                               "data_wait_s": wait_s, "quorum_s": t_data - t0,
-                               "forward_backward_s": r.forward_backward_s, "optimizer_s": r.optimizer_s,
-                               "tokens_per_s": r.real / step_time_s,
-                               "mfu": flops_per_token * r.real / step_time_s / (cfg.log.peak_flops * n),
-                               "skipped": r.skipped, "rows": int(r.rows),
-                               "micro_batches": int(r.micro_batches), "logged_by": env.world_rank,
-                               "skipped_steps": state.skipped_steps, "recovery": "in_place"}, r.ids)
-            env.inject_faults(state.step)
+            env.inject_faults(run.t.state.step)
             env.step_ended(time.perf_counter() - t0)
-            if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
-                best = _evaluate(cfg, env, t, attempt, best, prank == 0)
-            every = cfg.checkpoint.every_steps
-            if every and state.step % every == 0:
-                _log_reads(env, attempt, reader)
-                save_in_place(env, cfg, t, writer=prank == 0, final=False)
-        manager.shutdown(wait=False)
-        env.wait_for_checkpoints()
-        reader.close()
-        _log_reads(env, attempt, reader)
-        if env.joining and not committed_here:
-            # a replacement that found the run over joins the others' final report, without a
-            # share; always, also when it restored that very step (the final step's periodic
-            # checkpoint), which save_checkpoint would take for saved already and skip: the
-            # others then waited in Ray's report barrier for ever (issue 32, found by killing 8
-            # replacements in a row, the 9th starting after the last step)
-            env.last_saved_step = -1
-            env.save_checkpoint(None, env.run_finished(), final=True)
-            return
-        # the last step's first participant logs and writes (the first worker, if this process ran
-        # no step)
-        first = prank == 0 if committed_here else env.world_rank == 0
-        if evaluating and t.state.eval_step != t.state.step:  # the end, unless just evaluated
-            best = _evaluate(cfg, env, t, attempt, best, first)
-        if best is not None:
-            best.wait()
-        env.mark_finished(t.state.step)  # a replacement that starts from now on only reports
-        save_in_place(env, cfg, t, writer=first, final=True)
+            _after_step(run)
+        _finish(run)
     finally:
         fencer.stop()
+
+
+def _train_step(run: ReplicaRun, fencer: Fencer, t0: float) -> bool:
+    """Step `state.step + 1` with this quorum's participants: this replica's partitions, the
+    all-reduce, the update, the step's record. False if the quorum did not commit it."""
+    cfg, env, manager = run.cfg, run.env, run.replica.manager
+    n, run.prank = manager.num_participants(), manager.participating_rank()
+    env.participating_rank = run.prank
+    if (manager._quorum_id, n) != run.seen:  # torchft 0.2.0 keeps the quorum id private
+        run.seen = (manager._quorum_id, n)
+        env.log_event({"event": "quorum", "step": run.t.state.step + 1, "participants": n,
+                       "participating_rank": run.prank, "quorum_id": run.seen[0]})
+    state = run.t.state  # after the quorum: a heal replaces it
+    t_data = time.perf_counter()
+    owned = owned_partitions(run.prank, n, run.layout.partitions) if run.prank is not None else []
+    micro_batches, after = run.pool.take(owned, state_cursors(state))
+    wait_s = time.perf_counter() - t_data
+    lr = lr_at(state.step, cfg.optim, cfg.train.max_steps)
+    r = in_place_step(run.t, manager, env, run.layout, micro_batches, after, lr=lr,
+                      grad_clip=cfg.train.grad_clip)
+    if r is None:
+        env.log_event({"event": "step_not_committed", "step": state.step + 1,
+                       "participants": n, "error": repr(manager.errored())[:300]})
+        return False
+    state.cursors = r.cursors
+    if state.count_step(r.skipped, r.real, r.padded, r.rows, cfg.train.max_consecutive_skips):
+        env.handle_nonfinite(state.step, micro_batches)
+    run.committed_here += 1
+    fencer.observe(r.pids, acting=run.prank == 0)
+    step_time_s = time.perf_counter() - t0
+    # every participant sends it (the RunLog keeps the first): a replica lost right after the
+    # step leaves no gap in metrics.jsonl or consumed/
+    env.log_committed({"step": state.step, "epoch": state.epoch, "time": time.time(),
+                       "attempt": run.attempt, "world_size": n, "loss": r.loss, "lr": lr,
+                       "grad_norm": r.grad_norm, "real_tokens": int(r.real),
+                       "padded_tokens": int(r.padded), "step_time_s": step_time_s,
+                       "data_wait_s": wait_s, "quorum_s": t_data - t0,
+                       "forward_backward_s": r.forward_backward_s, "optimizer_s": r.optimizer_s,
+                       "tokens_per_s": r.real / step_time_s,
+                       "mfu": run.flops_per_token * r.real / step_time_s / (cfg.log.peak_flops * n),
+                       "skipped": r.skipped, "rows": int(r.rows),
+                       "micro_batches": int(r.micro_batches), "logged_by": env.world_rank,
+                       "skipped_steps": state.skipped_steps, "recovery": "in_place"}, r.ids)
+    return True
+
+
+def _after_step(run: ReplicaRun) -> None:
+    """A committed step's evaluation and periodic checkpoint, when due."""
+    cfg, env, state = run.cfg, run.env, run.t.state
+    if run.env.eval_table is not None and cfg.eval.every_steps \
+            and state.step % cfg.eval.every_steps == 0:
+        run.best = _evaluate(cfg, env, run.t, run.attempt, run.best, run.prank == 0)
+    every = cfg.checkpoint.every_steps
+    if every and state.step % every == 0:
+        _log_reads(env, run.attempt, run.reader)
+        save_in_place(env, cfg, run.t, writer=run.prank == 0, final=False)
+
+
+def _finish(run: ReplicaRun) -> None:
+    """The run's end as this replica sees it: the final evaluation, and the final checkpoint
+    reported by every worker (Ray's report is a barrier of them all)."""
+    cfg, env, t = run.cfg, run.env, run.t
+    run.replica.manager.shutdown(wait=False)
+    env.wait_for_checkpoints()
+    run.reader.close()
+    _log_reads(env, run.attempt, run.reader)
+    if env.joining and not run.committed_here:
+        # a replacement that found the run over joins the others' final report, without a
+        # share; always, also when it restored that very step (the final step's periodic
+        # checkpoint), which save_checkpoint would take for saved already and skip: the
+        # others then waited in Ray's report barrier for ever (issue 32, found by killing 8
+        # replacements in a row, the 9th starting after the last step)
+        env.last_saved_step = -1
+        env.save_checkpoint(None, env.run_finished(), final=True)
+        return
+    # the last step's first participant logs and writes (the first worker, if this process ran
+    # no step)
+    first = run.prank == 0 if run.committed_here else env.world_rank == 0
+    if env.eval_table is not None and t.state.eval_step != t.state.step:  # unless just evaluated
+        run.best = _evaluate(cfg, env, t, run.attempt, run.best, first)
+    if run.best is not None:
+        run.best.wait()
+    env.mark_finished(t.state.step)  # a replacement that starts from now on only reports
+    save_in_place(env, cfg, t, writer=first, final=True)
 
 
 def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: PartitionPool,
@@ -327,7 +377,7 @@ def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: Partition
     """This step's quorum (a replica behind the others heals inside it): "train", "wait" (a
     replacement alone and behind the run: its peers come to the next quorum, so it never trains
     the run again; `may_be_stale` is False once it committed a step, or past its deadline, when
-    every other replica was lost too; or a replacement not healed yet, see `_restore_instead`)
+    every other replica was lost too; or a replacement not healed yet, see `settle_unrestored`)
     or "over" (the run ended while it started)."""
     manager = replica.manager
     manager.start_quorum()
@@ -339,19 +389,10 @@ def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: Partition
         if _advance(replica.t.state, cfg, pool):  # a peer's state (never past the end: it is here)
             return "over"
     if replica.unrestored:
-        # in a quorum of replicas without the run's state (the peer it was to heal from was
-        # lost): it never trains from there; past its deadline it restores the last checkpoint
-        manager.report_error(RuntimeError("a replacement not healed yet"))
-        manager.should_commit()  # False: the step count stays as it was
-        if env.run_finished() is not None:
-            return "over"
-        if time.monotonic() > heal_deadline:
-            _restore_instead(env, replica)
-        else:
-            time.sleep(STALE_POLL_S)
-        return "wait"
-    alone = manager.num_participants() == 1
-    if not (env.joining and may_be_stale and not replica.heals and alone and _stale(env, replica.t.state)):
+        return settle_unrestored(env, replica, cfg, heal_deadline)
+    behind = (env.joining and may_be_stale and not replica.heals and not replica.restored_for_all
+              and manager.num_participants() == 1 and behind_the_run(env, replica.t.state))
+    if not behind:
         return "train"
     manager.report_error(RuntimeError("a replacement alone, behind the run"))
     manager.should_commit()  # False: the step count stays as it was
@@ -359,23 +400,6 @@ def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: Partition
         return "over"
     time.sleep(STALE_POLL_S)
     return "wait"
-
-
-def _restore_instead(env: InPlaceEnv, replica: Replica) -> None:
-    """A replacement that skipped its restore to heal from a peer, and found none to heal from
-    within its deadline: it restores the last checkpoint now (a heal may still follow: a replica
-    behind the others heals at the next quorum they share)."""
-    t = replica.t
-    env.heal_first = False
-    directory = env.latest_checkpoint_dir()
-    if directory is not None:
-        from elastic_train.training.checkpoint import load_checkpoint
-
-        t.state = TrainState(**load_checkpoint(directory, t.raw_model, t.optimizer, t.setup.scaler))
-        t.state.grad_reduce = "exact"
-    replica.unrestored = False
-    replica.manager.load_state_dict({"step": t.state.step, "batches_committed": t.state.step})
-    env.log_event({"event": "restored_instead_of_healing", "step": t.state.step})
 
 
 def _fence(env: InPlaceEnv, rank: int, pid: int, missing_s: float) -> None:
@@ -406,15 +430,6 @@ def _advance(state: TrainState, cfg: Config, pool: PartitionPool) -> bool:
             return False
         state.epoch, state.step_in_epoch, state.cursors = state.epoch + 1, 0, {}
     return True
-
-
-def _stale(env: WorkerEnv, state: TrainState) -> bool:
-    """A replacement alone in its quorum is behind the run if the run has ended or its step is
-    behind the run's latest committed one (then a live peer exists, or existed)."""
-    if env.run_finished() is not None:
-        return True
-    latest = env.latest_step()
-    return latest is not None and latest > state.step
 
 
 def save_in_place(env: InPlaceEnv, cfg: Config, t: Training, *, writer: bool, final: bool) -> None:

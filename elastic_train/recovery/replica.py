@@ -1,6 +1,8 @@
 """One replica's side of torchft (`fault.recovery=in_place`): its state as torchft heals it
-(`Replica`), its Manager with the process group and the two timeouts that bound every wait, the
-heal transport, and what it needs from the worker beyond `WorkerEnv` (`InPlaceEnv`).
+(`Replica`: whom it takes a heal from), what a replacement without the run's state does after a
+quorum (`settle_unrestored`: restore the last checkpoint when no live replica holds the state),
+its Manager with the process group and the two timeouts that bound every wait, the heal
+transport, and what it needs from the worker beyond `WorkerEnv` (`InPlaceEnv`).
 
 The step and the loop that use them are inplace.py.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 import warnings
 from dataclasses import asdict, dataclass
@@ -20,10 +23,12 @@ import torch
 from elastic_train.config import Config
 from elastic_train.training.build import Training
 from elastic_train.training.env import WorkerEnv
+from elastic_train.training.loop import check_restored_position
 from elastic_train.training.step import TrainState
 
 # The step's numbers that ride after the gradient in its one all-reduce (see Layout).
 QUIET_RUST_LOG = "warn"  # torchft's Rust side logs every quorum and commit at info
+STALE_POLL_S = 0.2  # a replica that waits for a peer: how often it asks for a quorum again
 
 
 @dataclass
@@ -35,20 +40,90 @@ class Replica:
     healed_from_step: int | None = None  # set by a heal (the peer's step)
     heals: int = 0
     # a replacement that skipped its restore (a live peer heals it): no state of the run until a
-    # heal, or the restore it falls back to (`_restore_instead`), so it must not train before
+    # heal from a peer that has it, or the restore it falls back to (`restore_instead`), so it
+    # must not train before
     unrestored: bool = False
+    # it restored the last checkpoint because no live replica held the run's state: it holds the
+    # newest state there is, never "behind the run" (`settle_unrestored`)
+    restored_for_all: bool = False
 
     def state_dict(self) -> dict[str, Any]:
         t = self.t
         return {"model": t.raw_model.state_dict(), "optim": t.optimizer.state_dict(),
-                "train_state": asdict(t.state)}
+                "train_state": asdict(t.state), "holds_run_state": not self.unrestored}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """A heal. Not taken by a replica without the run's state from a peer without it either:
+        torchft heals every replica from the quorum's first when its highest step is 0 (its
+        first-step weight sync), which, when every live replica is a fresh replacement, is a
+        peer as empty as this one (a "heal" at step 0 after the run trained and checkpointed
+        further: issue 39). The loop restores the last checkpoint instead, at once."""
+        if self.unrestored and not sd.get("holds_run_state", True):
+            return
         t = self.t
         t.raw_model.load_state_dict(sd["model"])
         t.optimizer.load_state_dict(sd["optim"])
         t.state = TrainState(**sd["train_state"])
         self.healed_from_step, self.heals, self.unrestored = t.state.step, self.heals + 1, False
+
+
+def settle_unrestored(env: InPlaceEnv, replica: Replica, cfg: Config, heal_deadline: float) -> str:
+    """A replacement that skipped its restore, still without the run's state after its quorum.
+
+    Without an error in the quorum, no live replica holds the run's state: torchft heals a
+    replica behind the quorum's highest step, so there was no heal, or only its first-step sync
+    from a peer as fresh as this one, which `Replica.load_state_dict` refuses; the highest step
+    is 0, while every replica with the run's state is past it (the run committed a step before
+    this one started, `heal_first`). The last replica that had it was lost before this one
+    joined: the last checkpoint is the newest state there is, restored now, by every replica of
+    this quorum alike (none trains this step, unless there was nothing to restore: then all
+    start from the same built state at once). With an error (the heal failed: its peer died
+    sending it, or the group's rendezvous did), it waits for the next quorum, and restores past
+    its deadline."""
+    manager = replica.manager
+    if manager.errored() is None:
+        restore_instead(env, cfg, replica, "no live replica holds the run's state")
+        replica.restored_for_all = True
+        if replica.t.state.step == 0:
+            return "train"
+    manager.report_error(RuntimeError("a replacement not healed yet"))
+    manager.should_commit()  # False: the step count stays as it was
+    if env.run_finished() is not None:
+        return "over"
+    if not replica.unrestored:
+        return "wait"
+    if time.monotonic() > heal_deadline:
+        restore_instead(env, cfg, replica, "no heal within its deadline")
+    else:
+        time.sleep(STALE_POLL_S)
+    return "wait"
+
+
+def restore_instead(env: InPlaceEnv, cfg: Config, replica: Replica, reason: str) -> None:
+    """A replacement that skipped its restore to heal from a peer restores the last checkpoint
+    now (a heal may still follow: a replica behind the others heals at the next quorum they
+    share)."""
+    t = replica.t
+    env.heal_first = False
+    directory = env.latest_checkpoint_dir()
+    if directory is not None:
+        from elastic_train.training.checkpoint import load_checkpoint
+
+        t.state = TrainState(**load_checkpoint(directory, t.raw_model, t.optimizer, t.setup.scaler))
+        t.state.grad_reduce = "exact"
+        check_restored_position(cfg, env, t.state)
+    replica.unrestored = False
+    replica.manager.load_state_dict({"step": t.state.step, "batches_committed": t.state.step})
+    env.log_event({"event": "restored_instead_of_healing", "step": t.state.step, "reason": reason})
+
+
+def behind_the_run(env: WorkerEnv, state: TrainState) -> bool:
+    """A replacement alone in its quorum is behind the run if the run has ended or its step is
+    behind the run's latest committed one (then a live peer exists, or existed)."""
+    if env.run_finished() is not None:
+        return True
+    latest = env.latest_step()
+    return latest is not None and latest > state.step
 
 
 def start_manager(cfg: Config, env: InPlaceEnv, replica: Replica) -> Any:
