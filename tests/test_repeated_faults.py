@@ -145,6 +145,10 @@ def check_in_place_recoveries(result, schedule: list[str], heal_at: int) -> None
     assert sizes[healed[0]["step"] + 1] == 2
     restored = [e for e in events if e["event"] == "restored_instead_of_healing"]
     assert restored and {e["reason"] for e in restored} == {"no live replica holds the run's state"}
+    # the ledger: a fault that took the last replica left cost the steps after its checkpoint
+    last_ones = [f for f in fired if sizes[f["step"]] == 1]
+    assert last_ones and {e["step"] for e in restored} == {f["committed_step"] for f in last_ones}
+    assert result.summary["replayed_steps"] == sum(f["step"] - f["committed_step"] for f in last_ones)
     committed = {r["step"]: r["time"] for r in metrics(result) if "eval_loss" not in r}
     for fault in fired:
         took_s = committed[fault["step"] + 1] - fault["time"]

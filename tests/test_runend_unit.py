@@ -230,3 +230,21 @@ def test_ray_log_discard_cuts_the_file_back_and_drops_later_lines(tmp_path):
     assert not (tmp_path / "new.log").exists()
     log.close()
     new.close()
+
+
+@pytest.mark.unit
+def test_in_place_steps_trained_again_after_the_last_replica_was_lost_count_as_replayed():
+    """In place, one attempt: steps 1-6 logged, the last replica lost after step 6, the fresh
+    replacements (two of them, the same loss) restore step 4's checkpoint and train 5-8; the run
+    log kept the first records of 5 and 6. A restore with a live peer about (a late heal) costs
+    nothing again."""
+    from elastic_train.observe.summary import LOST_STATE, retrained_in_place
+
+    records = [{"attempt": 0, "step": s, "time": 100.0 + s} for s in range(1, 9)]
+    records[6:] = [{"attempt": 0, "step": s, "time": 120.0 + s} for s in (7, 8)]
+    events = [{"event": "restored_instead_of_healing", "step": 4, "reason": LOST_STATE, "time": 110.0},
+              {"event": "restored_instead_of_healing", "step": 4, "reason": LOST_STATE, "time": 111.0},
+              {"event": "restored_instead_of_healing", "step": 6, "reason": "no heal within its deadline",
+               "time": 130.0}]
+    assert retrained_in_place(records, events) == 2
+    assert retrained_in_place(records, events[2:]) == 0

@@ -103,6 +103,24 @@ def effective_records(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]
     return dict(sorted(latest.items()))
 
 
+LOST_STATE = "no live replica holds the run's state"
+
+
+def retrained_in_place(records: list[dict[str, Any]], events: list[dict[str, Any]]) -> int:
+    """In place, steps trained again within one attempt: when every replica holding the run's
+    state was lost, the replacements restore the last checkpoint (recovery/replica.py) and train
+    again the steps after it that the lost ones had committed. The run log keeps the first record
+    of each (attempt, step), so those replays leave no second record: each such restore counts
+    the steps logged after its checkpoint before it (replacements restoring the same checkpoint
+    for the same loss count once)."""
+    losses: dict[int, float] = {}  # restored step -> the first restore's time
+    for e in events:
+        if e.get("event") == "restored_instead_of_healing" and e.get("reason") == LOST_STATE:
+            losses[e["step"]] = min(losses.get(e["step"], e["time"]), e["time"])
+    return sum(len({r["step"] for r in records if r["step"] > step and r["time"] < when})
+               for step, when in losses.items())
+
+
 def ledger(records: list[dict], events: list[dict], start_time: float, end_time: float,
            evals: list[dict] | None = None) -> dict:
     """Split this fit's wall time into start-up, productive, recovery, replayed, checkpoint
@@ -177,7 +195,7 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
         **attempt_counts(attempts),
         "world_sizes": [a["world_size"] for a in attempts],
         "skipped_steps": last.get("skipped_steps", 0),
-        "replayed_steps": len(records) - len(effective),
+        "replayed_steps": len(records) - len(effective) + retrained_in_place(records, events),
         "optimizer_state_bytes_per_param": next(
             (e["bytes_per_param"] for e in reversed(events) if e.get("event") == "optimizer_state"),
             None),

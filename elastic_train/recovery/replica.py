@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from elastic_train.config import Config
+from elastic_train.observe.summary import LOST_STATE
 from elastic_train.training.build import Training
 from elastic_train.training.env import WorkerEnv
 from elastic_train.training.loop import check_restored_position
@@ -82,7 +83,7 @@ def settle_unrestored(env: InPlaceEnv, replica: Replica, cfg: Config, heal_deadl
     its deadline."""
     manager = replica.manager
     if manager.errored() is None:
-        restore_instead(env, cfg, replica, "no live replica holds the run's state")
+        restore_instead(env, cfg, replica, LOST_STATE)
         replica.restored_for_all = True
         if replica.t.state.step == 0:
             return "train"
