@@ -29,8 +29,9 @@ without sharding (`LoraShardedReduce`: ExactGradSum's float64 sum, or one fp32 a
 exact sum), and the checkpoint is an unsharded run's (sharding.py saves and loads a model
 without sharded tensors as checkpoint.py does). So a step is the unsharded LoRA step to the bit
 at any world size, a checkpoint resumes at any size in either sharding mode, and export reads
-whole adapters. Each rank keeps its own rows of the base it built, so the ranks' base hashes are
-compared before sharding.
+whole adapters. Each rank keeps its own rows of the base it built (a base of safetensors files
+built on the meta device, each rank reading only its rows: hfshards.py), so the ranks' base
+hashes are compared before the first step.
 
 QLoRA (`model.lora.load_in_4bit`, GPU only): transformers loads the folder's weights quantised
 to 4-bit NF4 by bitsandbytes (hf.qlora_load_kwargs, on this worker's GPU), peft's
