@@ -23,15 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _gloo import gather_and_finish, vm_hwm_bytes
 
 GiB = 1 << 30
-
-
-def vm_hwm_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return -1
 
 
 def local_bytes(t: torch.Tensor | None) -> int:
@@ -84,12 +78,7 @@ def _rank(rank: int, world_size: int, init: str, case: dict, out: str) -> None:
                "params": sum(local_bytes(p) for p in model.parameters()),
                "grads": sum(local_bytes(p.grad) for p in model.parameters()), "optimizer": state,
                "reduction": reducer.buffer.numel() * 8 if reducer is not None else 0}
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, figures)
-    if rank == 0:
-        Path(out).write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
+    gather_and_finish(figures, out)
 
 
 def measure(case: dict) -> list[dict]:

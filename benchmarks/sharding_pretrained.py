@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _gloo import gather_and_finish, vm_hwm_bytes
 
 GiB = 1 << 30
 
@@ -66,13 +67,6 @@ def write_base(folder: Path, config) -> int:
             values = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
             f.write(values.view(torch.uint8).numpy().tobytes())
     return (folder / "model.safetensors").stat().st_size
-
-
-def vm_hwm_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return -1
 
 
 def _rank(rank: int, world_size: int, init: str, base: str, sharding: str, steps: int,
@@ -112,12 +106,7 @@ def _rank(rank: int, world_size: int, init: str, base: str, sharding: str, steps
         train_step(root, model, optimizer, mine, setup=setup,
                    data_targets=sum(mb.targets for mb in mbs), step=step, lr=1e-4)
     figures = {"built": built, "peak": vm_hwm_bytes()}
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, figures)
-    if rank == 0:
-        Path(out).write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
+    gather_and_finish(figures, out)
 
 
 def measure(base: Path, sharding: str, steps: int, tmp: Path) -> list[dict]:
