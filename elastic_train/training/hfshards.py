@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 SOURCE_ATTR = "elastic_values_from"  # on a meta-built hf model: the weights folder, or "" (config)
 STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -192,7 +193,7 @@ def fill_from_config(model: nn.Module) -> None:
     from transformers import initialization
 
     custom = _hf_model(model).is_custom_code()
-    with initialization.guard_torch_init_functions():
+    with initialization.guard_torch_init_functions(), _OwnParametersOnly():
         for module, fn in _init_order(model):
             real = {name: p for name, p in module._parameters.items() if p is not None}
             whole = {name: torch.empty(p.shape, dtype=_draw_dtype(p.dtype)) for name, p in real.items()}
@@ -205,6 +206,25 @@ def fill_from_config(model: nn.Module) -> None:
                     module._parameters[name] = p
             for name, p in real.items():
                 _keep_rows(p, whole[name])
+
+
+class _OwnParametersOnly(TorchFunctionMode):
+    """Refuses a value write into a row shard while `fill_from_config` runs: an `_init_weights`
+    that writes another module's parameters would draw only this rank's rows of it, and the
+    build would silently differ from the unsharded one."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        from elastic_train.training.model import _VALUE_WRITES
+
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")
+        if getattr(func, "__name__", None) in _VALUE_WRITES and isinstance(target, DTensor):
+            raise ValueError("model.name=hf with train.sharding=fsdp: this model's _init_weights "
+                             "writes parameters of modules other than the one it initialises, so "
+                             "its rows cannot be created rank by rank equal to an unsharded build")
+        return func(*args, **kwargs)
 
 
 def _draw_dtype(dtype: torch.dtype) -> torch.dtype:
