@@ -216,11 +216,11 @@ class _OwnParametersOnly(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
 
-        from elastic_train.training.model import _VALUE_WRITES
-
         kwargs = kwargs or {}
         target = args[0] if args else kwargs.get("tensor")
-        if getattr(func, "__name__", None) in _VALUE_WRITES and isinstance(target, DTensor):
+        name = getattr(func, "__name__", "")
+        in_place = name.endswith("_") and not name.startswith("__")  # normal_, init.xavier_uniform_
+        if in_place and isinstance(target, DTensor):
             raise ValueError("model.name=hf with train.sharding=fsdp: this model's _init_weights "
                              "writes parameters of modules other than the one it initialises, so "
                              "its rows cannot be created rank by rank equal to an unsharded build")
@@ -243,19 +243,8 @@ def fill_adapters(model: nn.Module) -> None:
 
 
 def fill_hf(model: nn.Module) -> None:
-    """The values of a meta-built hf model (or of a LoRA model on such a base with weights),
-    given memory by `model.materialize`: from its files or its config (module docstring)."""
-    from elastic_train.training.lora import BASE_KEY, LoraModel
-
-    if isinstance(model, LoraModel):
-        from elastic_train.training.basehash import folder_hash
-
-        base = model.peft.get_base_model()
-        digest = folder_hash(Path(getattr(base, SOURCE_ATTR)))  # its read buffers gone before the rows
-        getattr(model, BASE_KEY).copy_(torch.tensor(list(digest), dtype=torch.uint8))
-        fill_from_files(base, getattr(base, SOURCE_ATTR))
-        fill_adapters(model)
-        return
+    """The values of a meta-built hf model, given memory by `model.materialize`: from its files
+    or its config (module docstring). LoRA on such a base: lora.fill_lora."""
     source = getattr(model, SOURCE_ATTR)
     if source:
         fill_from_files(model, source)
@@ -265,11 +254,5 @@ def fill_hf(model: nn.Module) -> None:
 
 def values_source(model: nn.Module) -> str | None:
     """Where `fill_hf` takes a model's values from (a folder, "" for its config), or None when
-    it cannot: not a meta-built hf model, or LoRA on a base without weights (its hash is of the
-    whole base as built: lora.py)."""
-    from elastic_train.training.lora import LoraModel
-
-    if isinstance(model, LoraModel):
-        source = getattr(model.peft.get_base_model(), SOURCE_ATTR, None)
-        return source or None
+    it cannot: not a meta-built hf model."""
     return getattr(model, SOURCE_ATTR, None)

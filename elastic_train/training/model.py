@@ -152,7 +152,10 @@ def can_materialize(model: nn.Module) -> bool:
     if callable(getattr(model, "initial_value", None)):
         return True
     from elastic_train.training.hfshards import values_source
+    from elastic_train.training.lora import LoraModel, lora_values_source
 
+    if isinstance(model, LoraModel):
+        return lora_values_source(model) is not None
     return values_source(model) is not None
 
 
@@ -184,8 +187,9 @@ def fill_initial_values(model: nn.Module) -> None:
 
     if not callable(getattr(model, "initial_value", None)):
         from elastic_train.training.hfshards import fill_hf
+        from elastic_train.training.lora import LoraModel, fill_lora
 
-        fill_hf(model)
+        fill_lora(model) if isinstance(model, LoraModel) else fill_hf(model)
         return
     with torch.no_grad():
         for name, p in model.named_parameters():
