@@ -143,8 +143,11 @@ def build_hf_model(model_cfg: ModelConfig) -> nn.Module:
         model = auto.from_pretrained(folder, config=config, local_files_only=True,
                                      **common, **qlora_load_kwargs())
         return _ready(model)
-    with torch.device("meta"):
+    if on_meta:  # the caller's meta device (build_meta_model): not a second context inside it
         model = auto.from_config(config, **common)
+    else:
+        with torch.device("meta"):
+            model = auto.from_config(config, **common)
     source = str(folder) if weights else ""
     if weights and missing_from_files(model, stored_tensors(folder)):
         if on_meta:

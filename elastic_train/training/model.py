@@ -266,9 +266,9 @@ def build_model(model_cfg: ModelConfig, max_seq_len: int, model_fn: ModelFn | No
 
         if getattr(model, SOURCE_ATTR, None) == "" and not building_on_meta():
             materialize(model, torch.device("cpu"))  # a base from its config: hashed whole, as built
-        if any(p.is_meta for p in model.parameters()):  # adapters on meta too, as the driver's
-            with torch.device("meta"), _SkipValueWritesOnMeta():  # build: no draws before fill
-                model = apply_lora(model, model_cfg)
+        if any(p.is_meta for p in model.parameters()) and not building_on_meta():
+            with torch.device("meta"), _SkipValueWritesOnMeta():  # adapters on meta too, as the
+                model = apply_lora(model, model_cfg)  # driver's build: no draws before the fill
         else:
             model = apply_lora(model, model_cfg)
     if not building_on_meta() and any(p.is_meta for p in model.parameters()) and can_materialize(model):
