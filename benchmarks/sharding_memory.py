@@ -25,15 +25,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _gloo import gather_and_finish, vm_hwm_bytes
 
 CPU = torch.device("cpu")
-
-
-def vm_hwm_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return -1
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -83,12 +77,7 @@ def _rank(rank: int, world_size: int, init: str, case: dict, out: str) -> None:
         "peak": (vm_hwm_bytes() - base) / count,
         "parameters": count,
     }
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, figures)
-    if rank == 0:
-        Path(out).write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
+    gather_and_finish(figures, out)
 
 
 def measure(case: dict, world_size: int) -> dict:

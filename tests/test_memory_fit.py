@@ -35,7 +35,7 @@ def test_bytes_per_parameter_by_sharding_reduction_and_world_size():
     assert rank_need(shapes, cfg, "exact", 2, "none").total == 24 * 1000  # 4 + 4 + 8 + 8
     assert rank_need(shapes, cfg, "ddp", 2, "none").total == 20 * 1000
     fsdp = rank_need(shapes, cfg, "exact", 4, "fsdp")
-    assert fsdp.total == 32 * 1000 / 4 + 8 * 10  # float64 master, grad, moments; a gathered block
+    assert fsdp.total == 24 * 1000 / 4 + 8 * 10  # float64 master, grad; fp32 moments; a gathered block
     lora = ModelShapes(trainable=10, frozen_bytes=2000, largest_block=0, lora=True)
     assert rank_need(lora, cfg, "exact", 4, "fsdp").weights == 4 * 10 + 2000 / 4
 

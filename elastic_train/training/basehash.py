@@ -24,7 +24,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -77,15 +76,22 @@ def _safetensors_entries(path: Path) -> list[tuple[str, str, list[int], Path, in
 
 
 def _hash_range(path: Path, start: int, end: int) -> bytes:
+    """SHA-256 of bytes [start, end) of a file, read 8 MiB at a time into one buffer: plain
+    reads, not a mapping, whose touched pages would count in this process's resident memory
+    (the whole file's size on every rank that hashes it)."""
     digest = hashlib.sha256()
-    if end > start:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                for offset in range(start, end, 1 << 26):  # 64 MiB at a time
-                    digest.update(view[offset:min(offset + (1 << 26), end)])
-            finally:
-                view.release()
+    buffer = bytearray(min(1 << 23, max(end - start, 0)))
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        offset = start
+        while offset < end:
+            got = f.readinto(view[:min(len(buffer), end - offset)])
+            if not got:
+                raise OSError(f"{path}: ends at byte {offset}, before {end}")
+            digest.update(view[:got])
+            offset += got
+    view.release()
     return digest.digest()
 
 

@@ -1,8 +1,10 @@
 """Hugging Face `transformers` causal LMs (`model.name: hf`, `model.path: FOLDER_OR_URI`).
 
-The folder holds a `config.json`, with or without weights: with them the model is loaded
-(`from_pretrained`), without it is initialised from the config with the global torch RNG (the
-loop seeds it alike on every rank, so every rank builds the same weights without a broadcast).
+The folder holds a `config.json`, with or without weights: with them the model is loaded from
+its safetensors files a tensor at a time, without it is initialised from the config with
+transformers' `_init_weights` and the global torch RNG (the loop seeds it alike on every rank, so
+every rank builds the same weights without a broadcast); either way built on the meta device
+first, so that fsdp ranks read or create only their rows (hfshards.py).
 Always fp32 master weights (newer transformers default to the checkpoint's dtype), `use_cache`
 off while training, `trust_remote_code` only when the user sets it. A URI is copied once per node
 into a local cache folder, so the weights are read from storage once per node, not once per rank.
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from elastic_train.config import ModelConfig
+from elastic_train.training.hfshards import SOURCE_ATTR, missing_from_files, stored_tensors
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -126,19 +129,36 @@ def check_causal_lm(config, shown: str, trust_remote_code: bool = False) -> None
 
 
 def build_hf_model(model_cfg: ModelConfig) -> nn.Module:
-    """The causal LM of `model_cfg.path`, in fp32; on the meta device (the driver's shape check)
-    built from the config only."""
+    """The causal LM of `model_cfg.path`, in fp32, built on the meta device and marked with where
+    its values come from (hfshards.py): `build_model` then gives it memory and values whole,
+    or `train.sharding=fsdp` each rank its rows. QLoRA, and weights stored under names the model
+    does not use, load as before (`from_pretrained`, whole)."""
     transformers = require_transformers()
     config, folder = load_hf_config(model_cfg)
     auto = transformers.AutoModelForCausalLM
     common = dict(trust_remote_code=model_cfg.trust_remote_code, dtype=torch.float32)
     on_meta = torch.empty(0).device.type == "meta"
-    if has_weights(folder) and not on_meta:
-        if model_cfg.lora.load_in_4bit:  # QLoRA: quantised to 4 bits as it loads (lora.py)
-            common.update(qlora_load_kwargs())
-        model = auto.from_pretrained(folder, config=config, local_files_only=True, **common)
-    else:
+    weights = has_weights(folder)
+    if weights and not on_meta and model_cfg.lora.load_in_4bit:  # QLoRA: 4 bits as it loads (lora.py)
+        model = auto.from_pretrained(folder, config=config, local_files_only=True,
+                                     **common, **qlora_load_kwargs())
+        return _ready(model)
+    if on_meta:  # the caller's meta device (build_meta_model): not a second context inside it
         model = auto.from_config(config, **common)
+    else:
+        with torch.device("meta"):
+            model = auto.from_config(config, **common)
+    source = str(folder) if weights else ""
+    if weights and missing_from_files(model, stored_tensors(folder)):
+        if on_meta:
+            return _ready(model)  # the driver's shapes: no values to say where from
+        model = auto.from_pretrained(folder, config=config, local_files_only=True, **common)
+        return _ready(model)
+    setattr(model, SOURCE_ATTR, source)
+    return _ready(model)
+
+
+def _ready(model: nn.Module) -> nn.Module:
     model.tie_weights()  # tied embeddings stay tied, also after a build on the meta device
     model.train()
     return model

@@ -29,8 +29,9 @@ without sharding (`LoraShardedReduce`: ExactGradSum's float64 sum, or one fp32 a
 exact sum), and the checkpoint is an unsharded run's (sharding.py saves and loads a model
 without sharded tensors as checkpoint.py does). So a step is the unsharded LoRA step to the bit
 at any world size, a checkpoint resumes at any size in either sharding mode, and export reads
-whole adapters. Each rank keeps its own rows of the base it built, so the ranks' base hashes are
-compared before sharding.
+whole adapters. Each rank keeps its own rows of the base it built (a base of safetensors files
+built on the meta device, each rank reading only its rows: hfshards.py), so the ranks' base
+hashes are compared before the first step.
 
 QLoRA (`model.lora.load_in_4bit`, GPU only): transformers loads the folder's weights quantised
 to 4-bit NF4 by bitsandbytes (hf.qlora_load_kwargs, on this worker's GPU), peft's
@@ -43,6 +44,7 @@ weights (nothing to quantise).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -154,6 +156,28 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> LoraModel:
     # GPT and a user's module take the tokens as their one positional argument
     transformers_call = callable(getattr(model, "prepare_inputs_for_generation", None))
     return LoraModel(wrapped, digest, transformers_call)
+
+
+def lora_values_source(model: LoraModel) -> str | None:
+    """The folder of safetensors files a meta-built LoRA model's base is read from
+    (`fill_lora`), or None: a base without weights is built whole (its hash is of the whole
+    base as built)."""
+    from elastic_train.training.hfshards import values_source
+
+    return values_source(model.peft.get_base_model()) or None
+
+
+def fill_lora(model: LoraModel) -> None:
+    """A meta-built LoRA model given memory (model.materialize): the base's hash from its files,
+    this rank's rows of the base read from them, then peft's initialisation of the whole
+    adapters (hfshards.py)."""
+    from elastic_train.training.hfshards import fill_adapters, fill_from_files
+
+    folder = lora_values_source(model)
+    digest = folder_hash(Path(folder))  # its read buffers gone before the rows are read
+    getattr(model, BASE_KEY).copy_(torch.tensor(list(digest), dtype=torch.uint8))
+    fill_from_files(model.peft.get_base_model(), folder)
+    fill_adapters(model)
 
 
 def check_qlora(model: nn.Module, model_cfg: ModelConfig) -> None:

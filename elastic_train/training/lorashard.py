@@ -7,7 +7,9 @@ each rank holds rows of every base tensor in the base's own dtype and gathers th
 the forward and backward are the unsharded LoRA model's. The base has no gradient, so FSDP
 reduces nothing; `LoraShardedReduce` reduces the adapters' gradients as the unsharded path does.
 Checkpoints need nothing here: the LoRA state dict holds no sharded tensor, and sharding.py saves
-and loads such a model as checkpoint.py does.
+and loads such a model as checkpoint.py does. A LoRA model built on the meta device (a base of
+safetensors files) is sharded there, then each rank reads its rows of the base and draws the
+whole adapters as the unsharded build does (hfshards.fill_hf).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from elastic_train.config import ConfigError
 from elastic_train.training.collectives import is_distributed, timed_all_reduce
 from elastic_train.training.lora import BASE_KEY, LoraModel
+from elastic_train.training.model import materialize
 from elastic_train.training.reduce import ExactGradSum
 from elastic_train.training.sharding import (
     ShardedReduce,
@@ -41,17 +44,21 @@ def shard_frozen_base(root: nn.Module, model: LoraModel, *, exact: bool, reshard
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     adapters = [p for p in model.parameters() if p.requires_grad]  # a list: the same order on every rank
-    for p in adapters:  # FSDP moves what it manages; the adapters are not
-        p.data = p.data.to(device)
-    check_same_base(model, device)
-    for p in adapters:  # every rank starts from rank 0's adapters (the base is checked above)
-        dist.broadcast(p.data, src=0)
+    on_meta = any(p.is_meta for p in model.parameters())  # built on meta: each rank reads its rows
     policy = MixedPrecisionPolicy()  # no cast: each block gathered in the base's own dtype
     base = model.peft.get_base_model()
     for block in reversed(find_blocks(base, shard_modules)):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                     ignored_params=set(adapters))
     fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=set(adapters))
+    if on_meta:  # the base's rows from its files, the adapters whole (hfshards.fill_hf)
+        materialize(root, device, model)
+        adapters = [p for p in model.parameters() if p.requires_grad]
+    for p in adapters:  # FSDP moves what it manages; the adapters are not
+        p.data = p.data.to(device)
+    check_same_base(model, device)
+    for p in adapters:  # every rank starts from rank 0's adapters (the base is checked above)
+        dist.broadcast(p.data, src=0)
     return LoraShardedReduce(root, model, exact, device)
 
 

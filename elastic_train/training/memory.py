@@ -9,8 +9,8 @@ Per rank, AdamW (optim.py and sharding.py give the bytes per parameter):
 - unsharded: every trainable parameter's weight (4), gradient (4), optimizer state (8 adamw,
   2 adamw8bit), reduction buffer (exact: its float64 sum, 8; ddp: the fp32 buckets, 4) and a
   communication hook's state; a frozen parameter (LoRA's base) its own bytes only.
-- fsdp: 32 bytes a parameter over W (exact: float64 master, gradient, fp32-valued moments kept in
-  float64) or 16 over W (ddp); LoRA's frozen base over W, its adapters whole. Plus, while a block
+- fsdp: 24 bytes a parameter over W (exact: float64 master and gradient, float32 moments) or 16
+  over W (ddp); LoRA's frozen base over W, its adapters whole. Plus, while a block
   runs, that block gathered whole with its gradient (8 bytes a parameter of the largest block).
 - activations, a stated estimate: for a transformer of L layers and width d, about 34 bytes per
   token per layer per unit of width in 16-bit (Korthikanti et al., 2022, "Reducing Activation
@@ -147,7 +147,7 @@ def rank_need(shapes: ModelShapes, cfg: Config, grad_reduce: str, world_size: in
     if sharding == "fsdp" and not shapes.lora:
         per = 8.0 if grad_reduce == "exact" else 4.0  # master and gradient: float64 or fp32
         return RankNeed(weights=p * per / world_size, grads=p * per / world_size,
-                        optimizer=p * 2 * per / world_size, reduction=0.0,
+                        optimizer=p * 8.0 / world_size, reduction=0.0,  # two float32 moments
                         gathered=8.0 * shapes.largest_block, activations=acts)
     frozen = shapes.frozen_bytes / (world_size if sharding == "fsdp" else 1)
     optimizer = OPTIMIZER_STATE_BYTES[cfg.optim.name]

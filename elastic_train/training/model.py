@@ -145,10 +145,18 @@ def building_on_meta() -> bool:
 
 
 def can_materialize(model: nn.Module) -> bool:
-    """Whether the model draws each parameter's initial value on its own (`initial_value(name,
-    shape)`, as the embedded GPT does), so that a meta build can be materialized a parameter at
-    a time, or a rank's rows at a time."""
-    return callable(getattr(model, "initial_value", None))
+    """Whether a meta build of the model can be given its values a parameter at a time, or a
+    rank's rows at a time: it draws each parameter's initial value on its own
+    (`initial_value(name, shape)`, as the embedded GPT does), or it is a transformers model (or
+    LoRA on one with weights) whose values come from its files or config (hfshards.py)."""
+    if callable(getattr(model, "initial_value", None)):
+        return True
+    from elastic_train.training.hfshards import values_source
+    from elastic_train.training.lora import LoraModel, lora_values_source
+
+    if isinstance(model, LoraModel):
+        return lora_values_source(model) is not None
+    return values_source(model) is not None
 
 
 def materialize(root: nn.Module, device: torch.device, model: nn.Module | None = None) -> None:
@@ -171,11 +179,18 @@ def materialize(root: nn.Module, device: torch.device, model: nn.Module | None =
 
 
 def fill_initial_values(model: nn.Module) -> None:
-    """`model.initial_value` of each parameter, in order, into its memory (`materialize`)."""
+    """`model.initial_value` of each parameter, in order, into its memory (`materialize`); a
+    transformers model's values from its files or config (hfshards.fill_hf)."""
     from torch.distributed.tensor import DTensor
 
     from elastic_train.training.shardfiles import row_range
 
+    if not callable(getattr(model, "initial_value", None)):
+        from elastic_train.training.hfshards import fill_hf
+        from elastic_train.training.lora import LoraModel, fill_lora
+
+        fill_lora(model) if isinstance(model, LoraModel) else fill_hf(model)
+        return
     with torch.no_grad():
         for name, p in model.named_parameters():
             whole = model.initial_value(name, p.shape)
@@ -246,9 +261,18 @@ def build_model(model_cfg: ModelConfig, max_seq_len: int, model_fn: ModelFn | No
     if model_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if model_cfg.lora.r > 0:  # the base frozen, adapters trained (lora.py)
+        from elastic_train.training.hfshards import SOURCE_ATTR
         from elastic_train.training.lora import apply_lora
 
-        model = apply_lora(model, model_cfg)
+        if getattr(model, SOURCE_ATTR, None) == "" and not building_on_meta():
+            materialize(model, torch.device("cpu"))  # a base from its config: hashed whole, as built
+        if any(p.is_meta for p in model.parameters()) and not building_on_meta():
+            with torch.device("meta"), _SkipValueWritesOnMeta():  # adapters on meta too, as the
+                model = apply_lora(model, model_cfg)  # driver's build: no draws before the fill
+        else:
+            model = apply_lora(model, model_cfg)
+    if not building_on_meta() and any(p.is_meta for p in model.parameters()) and can_materialize(model):
+        materialize(model, torch.device("cpu"))  # hf models are built on meta (hf.build_hf_model)
     return model
 
 

@@ -25,7 +25,8 @@ Exact (`train.grad_reduce=exact`), why it stays the same to the bit at any world
   W), puts it in that row's slot of a vector of every parameter's rows, the vector is all-reduced
   (one value per slot: exact) and summed the same way on every rank (`grad_norm`).
 - AdamW is elementwise: a shard updates the same whichever rank holds it.
-Memory with AdamW: float64 master, gradient and two moments, 32 bytes a parameter over W ranks.
+Memory with AdamW: float64 master and gradient, two float32 moments, 24 bytes a parameter over
+W ranks.
 
 `ddp` (GPU speed): float32 parameters, gradients reduce-scattered in fp32 (bf16 parameters for
 compute with `train.precision=bf16`), synced on a step's last micro-batch only
@@ -247,8 +248,11 @@ def adamw_step_in_float32(optimizer: torch.optim.Optimizer) -> None:
     fsdp's master, gradient and moments), written back: each element gets the float32 arithmetic
     of the unsharded model's AdamW, op for op, so the run stays the unsharded one to the bit (a
     float64 update would round differently: the fsdp and unsharded losses then parted in the 6th
-    digit within a few steps). The moments stay float64 tensors holding float32 values, so the
-    checkpoints load across sharding modes as before."""
+    digit within a few steps). The moments are float32 shards: they only ever hold float32
+    values, so float64 ones (as before, and as `Optimizer.load_state_dict` casts restored ones to
+    the float64 master's dtype) are turned into float32 at their first step; 8 bytes a parameter
+    over W less than float64 moments, and the checkpoints load across sharding modes as before
+    (a moment is cast to the dtype of the parameter it is loaded for)."""
     from torch.optim.adam import adam
 
     for group in optimizer.param_groups:
@@ -260,8 +264,11 @@ def adamw_step_in_float32(optimizer: torch.optim.Optimizer) -> None:
                 fused_or_capturable = group.get("fused") or group.get("capturable")
                 state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device)
                                  if fused_or_capturable else torch.tensor(0.0, dtype=torch.float32))
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if state[key].dtype != torch.float32:  # restored in the master's dtype
+                    state[key] = state[key].to(torch.float32)
             local = [t.to_local() if isinstance(t, DTensor) else t
                      for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
             p32, g32, m32, v32 = (t.to(torch.float32) for t in local)
@@ -277,7 +284,7 @@ def adamw_step_in_float32(optimizer: torch.optim.Optimizer) -> None:
 
 def sharded_bytes_per_param(grad_reduce: str, world_size: int) -> float:
     """Bytes per parameter on each rank with AdamW (module docstring), before activations."""
-    return (32.0 if grad_reduce == "exact" else 16.0) / world_size
+    return (24.0 if grad_reduce == "exact" else 16.0) / world_size
 
 
 def _local_rows(t: DTensor, rank: int, world_size: int) -> torch.Tensor:
