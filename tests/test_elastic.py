@@ -364,8 +364,10 @@ def test_crash_shrink_grow_and_drain_in_series_end_on_the_uninterrupted_run(
                       if e["event"] == "checkpoint" and e["time"] > grows[0]["time"])
     # the crash and the lost node: from the checkpoint committed before the fault (each written
     # after the recovery before it); the grow: from the checkpoint its decision asked for, the
-    # step after the join's announcement, the group held one step later
-    assert [last[a]["step"] for a in attempts[:3]] == [crash["step"], lose["step"], join["step"] + 2]
+    # step after the join's announcement, the group held one step later (or replaced by Ray as
+    # soon as that checkpoint was committed, before the next step's record)
+    assert [last[a]["step"] for a in attempts[:2]] == [crash["step"], lose["step"]]
+    assert join["step"] + 1 <= last[attempts[2]]["step"] <= join["step"] + 2
     assert resumed[1:4] == [crash["committed_step"], lose["committed_step"], grow_saved]
     assert grow_saved == join["step"] + 1
     assert 0 < crash["committed_step"] and resumed[1] < lose["committed_step"] \
