@@ -166,5 +166,7 @@ def test_a_lora_base_read_by_rows_is_the_unsharded_load(folders, tmp_path):
         assert bytes(got["digest"].tolist()) == digest
     assert bytes(getattr(reference, BASE_KEY).tolist()) == digest
     base_bytes = sum(f.stat().st_size for f in Path(folders["wide"]).glob("*.safetensors"))
-    for got in ranks:  # rows: about half the base; a whole read first would be the base at least
-        assert got["peak"] < 0.7 * base_bytes, json.dumps({"peak": got["peak"], "base": base_bytes})
+    # rows: about half the base (0.5-0.74 measured, the allocator's and imports' noise on a 65 MB
+    # base); a whole read first would be the base at least
+    for got in ranks:
+        assert got["peak"] < 0.9 * base_bytes, json.dumps({"peak": got["peak"], "base": base_bytes})
