@@ -51,16 +51,55 @@ def held_out_dataset(tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray cluster shared by a module's tests (start-up is most of a run's cost)."""
+PROCESS_GROUP_SHUTDOWN_S = 5
+
+
+def start_shared_ray() -> None:
+    """The session's local Ray cluster, started if none is up: every module on a plain local
+    cluster shares it (its start and shutdown cost 5-10 s a module here, and a first run in a
+    cold cluster more). Its processes send their metrics every second (test_metrics.py reads them;
+    10 s by default). A module that needs a cluster of its own calls `own_ray_cluster` first."""
     import ray
 
+    from elastic_train.cluster.driver import _environ, _free_port
+
+    if ray.is_initialized():
+        return
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.1"
-    ray.init(address="local", num_cpus=4, dashboard_host="127.0.0.1", include_dashboard=True,
-             log_to_driver=False)
+    # As init_ray starts a run's local cluster: its processes know its address. Without it, Ray
+    # Train's placement-group cleaner (an actor) asks the state API of the cluster that
+    # /tmp/ray/ray_current_cluster names, a `ray start` of another test long gone by then, and
+    # each fit's end waited 12 s for the cleaner to give up (40 s GCS timeouts).
+    # A group with a frozen worker in it (tests/test_hangs.py): Ray's controller waits this long
+    # for its ranks to leave the process group before it kills them (30 s by default).
+    port = _free_port()
+    with _environ({"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"127.0.0.1:{port}",
+                   "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(PROCESS_GROUP_SHUTDOWN_S)}):
+        ray.init(address="local", num_cpus=4, dashboard_host="127.0.0.1", include_dashboard=True,
+                 log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})
+
+
+def own_ray_cluster() -> None:
+    """Shut down the shared cluster, if up, before a module starts one of its own (a
+    `ray.cluster_utils.Cluster`, other resources); the next module on `ray_cluster` starts the
+    shared one again."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The local Ray cluster of a module's runs: the session's shared one (`start_shared_ray`)."""
+    start_shared_ray()
     yield
-    ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_ray_down():
+    yield
+    own_ray_cluster()
 
 
 @pytest.fixture(scope="session")

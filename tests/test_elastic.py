@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import own_ray_cluster
 from localenv import train_locally
 from test_train_ray import TINY, assert_same_training, effective_ids, metrics, read_events
 from uninterrupted import check_against_uninterrupted
@@ -50,6 +51,7 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    own_ray_cluster()
     # Nodes are subprocesses: they (and the controller) inherit these. The GCS health checks are
     # those of cluster.yaml: a killed node is declared dead in ~5 s, before the first restart's
     # start timeout, so a shrink takes one timed-out try, not one or two depending on a race.
@@ -64,7 +66,8 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
-        for name in ("RAY_health_check_period_ms", "RAY_health_check_timeout_ms"):
+        for name in ("RAY_health_check_period_ms", "RAY_health_check_timeout_ms",
+                     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"):
             os.environ.pop(name, None)
 
 

@@ -12,16 +12,18 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import PROCESS_GROUP_SHUTDOWN_S
 from test_train_ray import assert_same_training, metrics, run
 
 from elastic_train.observe.stragglers import STRAGGLER_RATIO
 
 pytestmark = pytest.mark.ray
 
-TIMEOUT_S = 30  # scaling.collective_timeout_s of the hung runs: small, yet far above a tiny step
+TIMEOUT_S = 20  # scaling.collective_timeout_s of the hung runs: small, yet far above a tiny step
 # Ray's own shutdown of a failed group with a frozen worker in it: it waits for every worker to
-# leave the process group (TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, 30 s), then 5 s more, then kills
-RAY_SHUTDOWN_S = 35
+# leave the process group (TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S: 30 s by default, the shared
+# cluster's PROCESS_GROUP_SHUTDOWN_S), then 5 s more, then kills
+RAY_SHUTDOWN_S = PROCESS_GROUP_SHUTDOWN_S + 5
 MARGIN_S = 30  # from the timeout to the decision to restart: a few seconds, more under load
 RESTART_S = 150  # starting the next worker group: ~15 s idle, up to 120 s seen on a loaded 2 cores
 SLOW_TEST_S = 1200  # the reference run, a hung attempt and a restart: each minutes when loaded

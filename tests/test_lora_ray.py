@@ -37,16 +37,6 @@ LORA = ["model.name=hf", "model.lora.r=4", "model.lora.alpha=8",
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray cluster for the module's runs."""
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def sft_dataset(bpe_tokenizer, tmp_path_factory) -> str:
     """Prompt/response pairs: a line of textwrap.py and the line after it, 20% held out."""
     return prepare_sft_pairs(bpe_tokenizer, tmp_path_factory.mktemp("sft"), eval_fraction=0.2)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import urllib.request
@@ -32,17 +31,13 @@ def test_goodput_counts_each_steps_latest_attempt_against_wall_time():
 
 
 @pytest.fixture(scope="module")
-def metrics_cluster():
-    """A local Ray cluster whose processes send their metrics every second (the floor; 10 s by
-    default), and the URL where its node's agent serves them in Prometheus' text format."""
+def metrics_cluster(ray_cluster):
+    """The shared local cluster, whose processes send their metrics every second (the floor; 10 s
+    by default), and the URL where its node's agent serves them in Prometheus' text format."""
     import ray
 
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.1"
-    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-             log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})
     (node,) = [n for n in ray.nodes() if n["Alive"]]
-    yield f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
-    ray.shutdown()
+    return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
 
 
 def scrape(url: str, run: str) -> dict[str, float]:

@@ -28,17 +28,6 @@ ARGS = {"max_seq_len": 64, "rows_per_shard": 150, "rows_per_block": 16, "seed": 
 
 
 @pytest.fixture(scope="module")
-def ray_2cpu():
-    """One local Ray cluster of 2 CPUs for the module; prepare_ray joins it."""
-    import ray
-    import ray.data
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> list[str]:
     """Python and prose text files, a JSONL and a Parquet file (with empty and null texts)."""
     root = tmp_path_factory.mktemp("inputs")
@@ -97,7 +86,7 @@ def one_cpu_one_task_per_cpu(monkeypatch):
 
 @pytest.mark.ray
 def test_runs_on_one_or_two_cpus_give_the_shards_of_the_local_prepare(
-        ray_2cpu, inputs, tmp_path, bpe_tokenizer, monkeypatch):
+        ray_cluster, inputs, tmp_path, bpe_tokenizer, monkeypatch):
     """With a BPE tokenizer and a held-out split: a run on both CPUs, a run on one CPU with other
     task groups (JSONL and Parquet files cut into pieces: documents numbered across pieces), and
     the single-process prepare write identical shards (ids, tokens, lengths, sources, offsets,
@@ -122,7 +111,7 @@ def test_runs_on_one_or_two_cpus_give_the_shards_of_the_local_prepare(
 
 
 @pytest.mark.ray
-def test_cli_engine_ray_writes_blocks_of_rows_per_block_and_dense_ids(ray_2cpu, inputs, tmp_path,
+def test_cli_engine_ray_writes_blocks_of_rows_per_block_and_dense_ids(ray_cluster, inputs, tmp_path,
                                                                       capsys):
     """Bytes through `elastic-train prepare --engine ray` to a URI: the stats on stdout, the
     final line on stderr, the shards of the single-process prepare, row groups (training's
@@ -147,7 +136,7 @@ def test_cli_engine_ray_writes_blocks_of_rows_per_block_and_dense_ids(ray_2cpu, 
 
 
 @pytest.mark.ray
-def test_an_error_in_a_task_is_the_local_value_error_and_writes_nothing(ray_2cpu, tmp_path,
+def test_an_error_in_a_task_is_the_local_value_error_and_writes_nothing(ray_cluster, tmp_path,
                                                                         monkeypatch):
     """A bad line in a later piece of a JSONL file, a Parquet file cut into pieces without the
     text column: the message of the single-process prepare (the file as given, the line in the

@@ -4,7 +4,8 @@ hook, a SIGKILL from another process, the driver SIGTERMed and the same command 
 ends with the weights of one process that was never interrupted, to the bit, the same sample ids
 at every step, and every checkpoint's data cursors equal to that process's at the same step.
 The schedules are a seeded draw (recovery/chaos.py), the same one benchmarks/soak.py runs many
-of; CI runs the fixed seeds here: the default model, LoRA on a Llama, fsdp, and in place."""
+of; CI runs the fixed seeds here: LoRA on a Llama, fsdp, and in place (the default model's
+schedule is the fixed one of the first test: each kind once)."""
 
 from __future__ import annotations
 
@@ -54,16 +55,7 @@ def check_ledger(result, schedule: list[str], stops: int) -> None:
     assert [e["resumed_step"] for e in starts[1:]] == [e["committed_step"] for e in injected]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def test_three_recoveries_in_a_row_end_on_the_uninterrupted_run(cluster, small_dataset, tmp_path):
+def test_three_recoveries_in_a_row_end_on_the_uninterrupted_run(ray_cluster, small_dataset, tmp_path):
     """The issue's run: the crash hook at step 25, a worker SIGKILLed after step 45, the driver
     SIGTERMed after step 68 and the command run again, over four epochs (88 steps)."""
     schedule = ["25:crash:1", "45:kill:0", "68:stop:1"]
@@ -84,8 +76,8 @@ def test_three_recoveries_in_a_row_end_on_the_uninterrupted_run(cluster, small_d
 # second's replacement can join (seconds): no live replica holds the run's state, and the fresh
 # replacements must restore checkpoint 24 at once (issue 39: one took a peer as fresh as itself
 # for a source at step 0, trained from there, and the two waited out 300 s timeouts)
-@pytest.mark.parametrize("case, seed", [("gpt", 1), ("lora", 2), ("fsdp", 3), ("in_place", 19)])
-def test_a_seeded_schedule_of_mixed_faults(cluster, small_dataset, base_llama, bpe_tokenizer,
+@pytest.mark.parametrize("case, seed", [("lora", 2), ("fsdp", 3), ("in_place", 19)])
+def test_a_seeded_schedule_of_mixed_faults(ray_cluster, small_dataset, base_llama, bpe_tokenizer,
                                            tmp_path, case, seed):
     """Three faults drawn from `seed` (kinds, ranks, steps) in one run of the case's model and
     mode; the run ends as one never interrupted, to the bit."""

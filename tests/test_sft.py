@@ -158,18 +158,8 @@ def test_the_loss_counts_exactly_the_answer_tokens():
     assert causal_lm_loss(model, plain.to_batch(torch.device("cpu")))[1] == plain.targets == 7
 
 
-@pytest.fixture(scope="module")
-def ray_2cpu():
-    """One local Ray cluster of 2 CPUs for the module's Ray tests."""
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.ray
-def test_both_engines_write_the_same_fine_tuning_shards(ray_2cpu, tmp_path, chat_tokenizer,
+def test_both_engines_write_the_same_fine_tuning_shards(ray_cluster, tmp_path, chat_tokenizer,
                                                         monkeypatch):
     """Prompt/response JSONL (some truncated, some dropped), chat Parquet and a plain-text file,
     a held-out split, the JSONL and Parquet cut into many pieces: the Ray Data engine writes the
