@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -84,8 +83,24 @@ def test_unknown_key_in_file(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elastic_train.cli", *args],
-                          capture_output=True, text=True, timeout=120)
+    """`elastic-train ARGS` in this process (the console script's own exit status and stderr:
+    tests/test_bad_input.py), with a tripwire where Ray would start: each case here is refused
+    before."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    import elastic_train.api
+    from elastic_train.cli import main
+
+    def tripwire(cfg):
+        raise AssertionError("the input was accepted: Ray would start now")
+
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.object(elastic_train.api, "init_ray", tripwire), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("args, culprit", [

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import own_ray_cluster
 
 from elastic_train.config import ConfigError, load_config
 
@@ -117,7 +118,10 @@ class Head:
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
-    """`ray start --head --block` in its own process group; exactly that group is ended afterwards."""
+    """`ray start --head --block` in its own process group; exactly that group is ended afterwards.
+    The session's shared cluster is shut down first: two dashboards on one machine want the same
+    agent port, and the head's job agent never registered ("No available agent to submit job")."""
+    own_ray_cluster()
     gcs_port, dashboard_port = _free_port(), _free_port()
     log = open(tmp_path_factory.mktemp("ray_head") / "ray_start.log", "w")
     _run([str(BIN / "ray"), "get-auth-token", "--generate"], timeout_s=60)  # no-op if one exists
