@@ -50,7 +50,7 @@ def test_each_hook_reduces_close_to_one_process(tmp_path, compression, train, to
     """The whole model's gradient, relative to the one-process reference (the DDP knobs on the
     plain reduction: many tiny buckets, gradients as views into them)."""
     out = str(tmp_path / "grads")
-    run_ranks(_grad_worker, 2, tmp_path, out, compression, train)
+    run_ranks(_grad_worker, 2, tmp_path, out, compression, train, start_method="forkserver")
     ref = reference_grads()
     flat_ref = torch.cat([g.flatten() for g in ref.values()])
     for rank in range(2):
@@ -91,7 +91,7 @@ def _powersgd_worker(rank: int, world_size: int, out: str) -> None:
 
 def test_powersgd_resumes_exactly_from_each_ranks_saved_state(tmp_path):
     out = str(tmp_path / "run")
-    run_ranks(_powersgd_worker, 2, tmp_path, out)
+    run_ranks(_powersgd_worker, 2, tmp_path, out, start_method="forkserver")
     for rank in range(2):
         r = torch.load(f"{out}.{rank}")
         assert r["error_norm"] > 0  # compression ran before the checkpoint: there is feedback

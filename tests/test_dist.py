@@ -62,7 +62,7 @@ def reference_grads():
 @pytest.mark.parametrize("rank1_empty", [False, True])
 def test_ddp_accumulated_gradient_matches_single_process(tmp_path, rank1_empty):
     out = str(tmp_path / "grads")
-    run_ranks(_worker, 2, tmp_path, out, rank1_empty)
+    run_ranks(_worker, 2, tmp_path, out, rank1_empty, start_method="forkserver")
     ref = reference_grads()
     for rank in range(2):
         grads = torch.load(f"{out}.{rank}")
@@ -97,7 +97,7 @@ def _exact_worker(rank: int, world_size: int, out: str) -> None:
 def test_exact_reduce_is_the_same_to_the_bit_at_any_world_size(tmp_path, world_size):
     """float64 sums and per-partition dropout seeds: W ranks give one process's gradient exactly."""
     out = str(tmp_path / "grads")
-    run_ranks(_exact_worker, world_size, tmp_path, out)
+    run_ranks(_exact_worker, world_size, tmp_path, out, start_method="forkserver")
     torch.set_num_threads(1)
     mbs = global_batch(6)
     ref = exact_grads(mbs, sum(mb.targets for mb in mbs))
@@ -147,7 +147,7 @@ def test_a_user_loss_on_an_extra_column_matches_one_process_with_a_dry_rank(tmp_
     rank joins the step through that same loss; the gradient is the one-process gradient of
     (total loss / the loss's own target count)."""
     out = str(tmp_path / "grads")
-    run_ranks(_user_loss_worker, 2, tmp_path, out)
+    run_ranks(_user_loss_worker, 2, tmp_path, out, start_method="forkserver")
     mbs = labelled_batch(4)
     ref = user_loss_grads(LossModule(build(), label_loss), mbs, 1, sum(mb.targets for mb in mbs))
     model = build()

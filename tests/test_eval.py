@@ -129,7 +129,7 @@ def test_eval_loss_is_bitwise_the_same_on_1_2_and_3_processes(held_out_dataset, 
     out = str(tmp_path / "eval")
     _eval_worker(0, 1, held_out_dataset, out)
     for world_size in (2, 3):
-        run_ranks(_eval_worker, world_size, tmp_path, held_out_dataset, out)
+        run_ranks(_eval_worker, world_size, tmp_path, held_out_dataset, out, start_method="forkserver")
     (whole, first), = [torch.load(f"{out}.1.0")]
     assert whole[2] > first[2] >= 1 and whole[1] > first[1]  # max_batches bounds it
     assert math.isfinite(whole[0]) and whole[0] > 0

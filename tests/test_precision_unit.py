@@ -261,7 +261,7 @@ def _gloo_worker(rank: int, world_size: int, out: str) -> None:
 @pytest.mark.dist
 def test_two_gloo_ranks_agree_to_skip_a_step_one_of_them_saw_as_nonfinite(tmp_path) -> None:
     out = str(tmp_path / "out")
-    run_ranks(_gloo_worker, 2, tmp_path, out)
+    run_ranks(_gloo_worker, 2, tmp_path, out, start_method="forkserver")
     r0, r1 = (torch.load(f"{out}.{rank}") for rank in (0, 1))
     assert [s for _, s in r0["results"]] == [s for _, s in r1["results"]] == [False, True, False]
     assert [loss for loss, _ in r0["results"]] == [loss for loss, _ in r1["results"]]
