@@ -154,14 +154,15 @@ def test_hard_crash_resumes_exactly_once_with_the_same_loss(reference, small_dat
     assert (crash["step"], crash["rank"], crash["saved_step"]) == (10, 1, 8), crash
     assert crash["committed_step"] == 8, crash
     assert first_of_attempt1 == crash["committed_step"] + 1
-    # Both ranks wrote their shares into the checkpoint, and the restart's two ranks (one node)
-    # read it from one local copy: a node downloads a checkpoint once.
+    # Both ranks wrote their shares into the checkpoint, and the restart's two ranks read it in
+    # the run's folder: local storage is read where it lies, no temporary copy left behind.
     manifests = sorted(p.name for p in Path(crashed.checkpoint_path).glob("manifest*.json"))
     assert manifests == ["manifest.json", "manifest.shard001.json"]
     restores = [e for e in read_events(crashed) if e["event"] == "restore"]
     assert sorted(e["rank"] for e in restores) == [0, 1]
-    assert len({e["local_dir"] for e in restores}) == 1
     assert restores[0]["checkpoint"] == f"checkpoint_{crash['committed_step']:09d}"
+    restored = Path(crashed.checkpoint_path).parent / restores[0]["checkpoint"]
+    assert {Path(e["local_dir"]) for e in restores} == {restored}
     assert_same_training(crashed, reference)
     # `auto` chose the exact reduction on CPU workers, and the restart kept the run's choice.
     chosen = [(e["chosen"], e["reason"]) for e in read_events(crashed) if e["event"] == "grad_reduce"]

@@ -8,6 +8,7 @@ actor); and, mixed in from their own modules, checkpoints asked for ahead of a r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -102,6 +103,7 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
         self.checkpoint_keep = 2  # checkpoint.keep: in place, the writer's own retention
         self.in_place_saved_step = -1  # in place: the last periodic checkpoint this process wrote
         self._in_place_writer = None  # in place: the periodic checkpoints' writer (checkpoints.py)
+        self._restored = contextlib.ExitStack()  # a remote checkpoint's local copy, until the next step
 
     # -- model, data, checkpoints --------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module,
@@ -127,12 +129,17 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
         if chosen is None:
             return None
         t0 = time.monotonic()
+        self._restored.close()
         if chosen[0] != ray_name:  # written in place, newer than Ray's
             local = self._local_copy(fs, f"{run_path}/{chosen[0]}")
+            if local != f"{run_path}/{chosen[0]}":
+                self._restored.callback(shutil.rmtree, local, ignore_errors=True)
         else:
-            # Downloaded into a temporary folder named by the checkpoint: the local ranks of a
-            # node share one download (Ray's file lock), so a node reads the checkpoint once.
-            local = checkpoint.to_directory()
+            # Local storage: the checkpoint's own folder. Remote: one download per node into a
+            # temporary folder the node's local ranks share (Ray's file locks), deleted when the
+            # last of them has begun its next step (step_began): a node's disk keeps no copy
+            # of each checkpoint a run ever restored.
+            local = self._restored.enter_context(checkpoint.as_directory())
         self.log_event({"event": "restore", "rank": self.world_rank,
                         "node": ray.get_runtime_context().get_node_id(),
                         "checkpoint": chosen[0], "local_dir": local,
@@ -319,6 +326,7 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
 
     # -- the step watchdog (watchdog.py) ---------------------------------------------------------
     def step_began(self, step: int) -> None:
+        self._restored.close()  # restored: the state is in memory (latest_checkpoint_dir)
         self.watchdog.begin_step(step)
 
     def step_ended(self, step_time_s: float | None) -> None:
