@@ -78,9 +78,12 @@ def _rank(rank: int, world_size: int, init: str, base: str, sharding: str, steps
     from elastic_train.training.model import build_meta_model, build_model, can_materialize
     from elastic_train.training.optim import build_optimizer
     from elastic_train.training.reduce import ExactGradSum
+    from elastic_train.training.memory import return_large_frees_to_os
     from elastic_train.training.step import StepSetup, train_step
 
     torch.set_num_threads(1)
+    if sharding == "fsdp":  # as a worker's fsdp build on CPU (build.build_training)
+        return_large_frees_to_os()
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world_size)
     cfg = load_config(None, ["model.name=hf", f"model.path={base}", "model.lora.r=8",
                              "model.lora.alpha=16", "model.lora.target_modules=[q_proj, v_proj]",

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from elastic_train.config import ConfigError
 from elastic_train.training.collectives import is_distributed, timed_all_reduce
@@ -33,6 +33,7 @@ from elastic_train.training.sharding import (
     ensure_process_group,
     find_blocks,
     row_norm,
+    shard_units,
 )
 
 
@@ -47,10 +48,8 @@ def shard_frozen_base(root: nn.Module, model: LoraModel, *, exact: bool, reshard
     on_meta = any(p.is_meta for p in model.parameters())  # built on meta: each rank reads its rows
     policy = MixedPrecisionPolicy()  # no cast: each block gathered in the base's own dtype
     base = model.peft.get_base_model()
-    for block in reversed(find_blocks(base, shard_modules)):
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
-                    ignored_params=set(adapters))
-    fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=set(adapters))
+    shard_units(root, base, find_blocks(base, shard_modules), mesh=mesh, policy=policy,
+                reshard_after_forward=reshard_after_forward, device=device, ignored=set(adapters))
     if on_meta:  # the base's rows from its files, the adapters whole (hfshards.fill_hf)
         materialize(root, device, model)
         adapters = [p for p in model.parameters() if p.requires_grad]

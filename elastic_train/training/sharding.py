@@ -124,27 +124,99 @@ def shard_model(root: nn.Module, model: nn.Module, *, exact: bool, precision: st
                          "initial_value(name, shape) to materialize its shards with")
     if not on_meta:
         ExactGradSum.broadcast_parameters(model)
-    for block in reversed(find_blocks(model, shard_modules)):  # inner blocks before outer ones
-        if exact:
-            _to_float64(block)
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    if exact:
-        _to_float64(root)
-    fully_shard(root, mesh=mesh, mp_policy=policy)
+    shard_units(root, model, find_blocks(model, shard_modules), mesh=mesh, policy=policy,
+                reshard_after_forward=reshard_after_forward, device=device,
+                prepare=_to_float64 if exact else None)
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum: the loss is scaled by 1/global targets
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
-            if device.type == "cpu":
-                module.set_custom_reduce_scatter(ChunkedReduceScatter())
-                # No backward prefetch: FSDP2 gathers the next block during a block's backward
-                # to overlap the two on a GPU's streams; gloo's collectives block the CPU, so it
-                # only held a second gathered block at the peak. A module prefetching itself (a
-                # no-op: gathered by then) replaces that implicit prefetch.
-                module.set_modules_to_backward_prefetch([module])
     if on_meta:  # this rank's rows only, one whole parameter at a time
         materialize(root, device, model)
     return ShardedReduce(root, model, exact, device)
+
+
+def loose_leaves(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The embeddings and linear layers outside every block with at least a quarter of the
+    largest block's parameters (a vocabulary's embedding, an untied output head) that share no
+    parameter with another module (a tied head stays in the root's unit with its embedding).
+    Each becomes a unit of its own, as torchtitan shards its token embeddings and output: in the
+    root's unit they were held gathered from the first block's forward to the backward's end."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    return [m for m in model.modules()
+            if isinstance(m, (nn.Embedding, nn.Linear)) and id(m) not in inside
+            and 4 * sum(p.numel() for p in m.parameters(recurse=False)) >= largest > 0
+            and all(users[id(p)] == 1 for p in m.parameters(recurse=False))]
+
+
+def shard_units(root: nn.Module, model: nn.Module, blocks: list[nn.Module], *, mesh,
+                policy: MixedPrecisionPolicy, reshard_after_forward: bool, device: torch.device,
+                prepare=None, ignored: set[nn.Parameter] | None = None) -> None:
+    """fully_shard each block (inner ones first), each of `loose_leaves`, then the root.
+    `prepare(module)` runs on each before it is sharded (the exact path's float64 master);
+    `ignored`: parameters left whole (LoRA's adapters). An output head is not resharded after its
+    forward (its backward follows at once). On CPU each unit gathers and reduce-scatters a slice
+    at a time (ChunkedAllGather, ChunkedReduceScatter), with no backward prefetch."""
+    kwargs = {"mesh": mesh, "mp_policy": policy, "ignored_params": ignored}
+    units = [(block, reshard_after_forward) for block in reversed(blocks)]
+    units += [(leaf, reshard_after_forward and isinstance(leaf, nn.Embedding))
+              for leaf in loose_leaves(model, blocks)]
+    for module, reshard in units:
+        if prepare is not None:
+            prepare(module)
+        fully_shard(module, reshard_after_forward=reshard, **kwargs)
+    if prepare is not None:
+        prepare(root)
+    fully_shard(root, **kwargs)
+    if device.type != "cpu":
+        return
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(ChunkedAllGather())
+            module.set_custom_reduce_scatter(ChunkedReduceScatter())
+            # No backward prefetch: FSDP2 gathers the next block during a block's backward to
+            # overlap the two on a GPU's streams; gloo's collectives block the CPU, so it only
+            # held a second gathered block at the peak. A module prefetching itself (a no-op:
+            # gathered by then) replaces that implicit prefetch.
+            module.set_modules_to_backward_prefetch([module])
+
+
+class ChunkedAllGather:
+    """FSDP2's all-gather of a unit's parameters on gloo, a slice of every rank's part at a
+    time: gloo's all-gather stages a copy of its whole output (measured: 89 MB more resident for
+    an 88 MB output), after the gathered unit itself the largest transient of a forward. The
+    same bytes land in the same places. It returns a finished `Work`: FSDP2 then frees the
+    gathered buffer as soon as it has copied the parameters out, where after a synchronous
+    all-gather in forward it keeps it until the next unit's copy-out (to overlap the two on a
+    GPU's streams; on gloo nothing overlaps). FSDP2's `AllGather` interface
+    (`FSDPModule.set_custom_all_gather`), CPU only: NCCL needs no staging."""
+
+    CHUNK = 1 << 18  # elements of one rank's part per call: 1 MiB in float32
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work:
+        parts = output_tensor.view(group.size(), -1)
+        for start in range(0, parts.shape[1], self.CHUNK):
+            piece = input_tensor[start:start + self.CHUNK]
+            staged = torch.empty(group.size() * piece.numel(), dtype=piece.dtype, device=piece.device)
+            dist.all_gather_into_tensor(staged, piece, group=group)
+            parts[:, start:start + piece.numel()].copy_(staged.view(group.size(), -1))
+        return _Done()
+
+
+class _Done(dist.Work):
+    """A collective already finished (ChunkedAllGather)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
 
 
 class ChunkedReduceScatter:
