@@ -75,10 +75,10 @@ def _rank(rank: int, world_size: int, init: str, base: str, sharding: str, steps
     from elastic_train.data.batches import pad_rows
     from elastic_train.training.build import _shard
     from elastic_train.training.losses import LossModule
+    from elastic_train.training.memory import return_large_frees_to_os
     from elastic_train.training.model import build_meta_model, build_model, can_materialize
     from elastic_train.training.optim import build_optimizer
     from elastic_train.training.reduce import ExactGradSum
-    from elastic_train.training.memory import return_large_frees_to_os
     from elastic_train.training.step import StepSetup, train_step
 
     torch.set_num_threads(1)
