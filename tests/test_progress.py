@@ -118,3 +118,54 @@ def test_a_new_attempts_lines_wait_for_the_line_of_the_failure_that_began_it():
     assert progress._poll(None, [])[0] is None  # held back
     watch.printed.add(0)  # the failure's line is out
     assert progress._poll(None, [])[0] == step
+
+
+class _Writes:
+    """A stream that keeps each write apart, as an unbuffered sys.stderr passes each to the pipe."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_the_watch_and_progress_write_each_line_whole():
+    """A failure's line (stderr, the watch's thread) and a progress line (stdout, the progress
+    thread) share the user's pipe: each line, newline included, must be one write, or one lands
+    inside the other ("... with 2 workersstep 14/14 ...", seen in CI)."""
+    import threading
+
+    from elastic_train.cluster.runwatch import RunWatch
+    from elastic_train.config import load_config
+    from elastic_train.observe.progress import Progress
+
+    watch_stream, progress_stream = _Writes(), _Writes()
+    watch = RunWatch(load_config(None), None, abort=lambda: None, describe_wait=lambda: "",
+                     stream=watch_stream)
+    watch._print("attempt 0: rank 1 failed at step 8: its process died; restarting")
+    step = {"step": 3, "epoch": 0, "loss": 3.0, "lr": 1e-3, "tokens_per_s": 10.0,
+            "world_size": 2, "attempt": 0}
+    progress = Progress(6, "lines", every_steps=1, interval_s=0.01, stream=progress_stream)
+    polled = threading.Event()
+
+    def fetch():
+        polled.set()
+        return {"latest": step, "attempts": [], "failures": []}
+
+    progress._fetch = fetch
+    thread = threading.Thread(target=progress._run_lines, args=(None,))
+    thread.start()
+    polled.wait(10)
+    progress._stop.set()
+    thread.join(10)
+    writes = watch_stream.writes + progress_stream.writes
+    assert len(progress_stream.writes) >= 1 and len(watch_stream.writes) == 1
+    assert all(text.endswith("\n") and text.count("\n") == 1 for text in writes), writes

@@ -99,7 +99,10 @@ class RunWatch:
             self.poll()
 
     def _print(self, line: str) -> None:
-        print(line, file=self.stream, flush=True)
+        # One write: print() writes the line and its newline apart, and sys.stderr is unbuffered,
+        # so a progress line (stdout, another thread) could land between them on a shared pipe.
+        self.stream.write(line + "\n")
+        self.stream.flush()
 
     def announced(self, failures: list[dict], attempts: list[dict], latest: dict) -> bool:
         """Whether every failure before the attempt of the step record `latest` has had its

@@ -110,8 +110,9 @@ class Progress:
             latest, attempts, eta = self._poll(runlog, history)
             if latest and latest["step"] // self.every_steps != printed:
                 printed = latest["step"] // self.every_steps
-                print(format_line(latest, attempts, self.max_steps, eta, self._latest_eval),
-                      file=self.stream, flush=True)
+                line = format_line(latest, attempts, self.max_steps, eta, self._latest_eval)
+                self.stream.write(line + "\n")  # one write, as runwatch.py's lines
+                self.stream.flush()
 
     def _run_bar(self, runlog) -> None:
         from rich.console import Console
