@@ -359,39 +359,58 @@ def test_keep_best_with_fsdp_writes_every_ranks_rows_and_export_loads_them(held_
         assert torch.equal(p, saved[name].float()), name
 
 
-def _reduce_scatter_worker(rank: int, world_size: int, out: str) -> None:
+def _chunked_collectives_worker(rank: int, world_size: int, out: str) -> None:
     from elastic_train.training.memory import peak_rss_bytes, return_large_frees_to_os
-    from elastic_train.training.sharding import ChunkedReduceScatter
+    from elastic_train.training.sharding import ChunkedAllGather, ChunkedReduceScatter
 
     def reset_peak() -> int:  # Linux: VmHWM back to the resident bytes now
         Path("/proc/self/clear_refs").write_text("5")
         return peak_rss_bytes()
+
+    def grown_by(call) -> int:
+        dist.barrier()
+        before = reset_peak()
+        call()
+        return peak_rss_bytes() - before
 
     return_large_frees_to_os()  # as a worker's fsdp build: freed buffers leave the process
     generator = torch.Generator().manual_seed(rank)
     grads = torch.randn(6_000_000, dtype=torch.float32, generator=generator).to(torch.float64)
     inputs = grads.clone()
     chunked, whole = (torch.zeros(len(grads) // world_size, dtype=torch.float64) for _ in range(2))
-    dist.barrier()
-    grown = {}
-    before = reset_peak()
-    ChunkedReduceScatter()(chunked, inputs, dist.group.WORLD, dist.ReduceOp.SUM)
-    grown["chunked"] = peak_rss_bytes() - before
-    before = reset_peak()
-    dist.reduce_scatter_single(whole, grads, op=dist.ReduceOp.SUM)
-    grown["gloo"] = peak_rss_bytes() - before
+    grown = {"chunked": grown_by(lambda: ChunkedReduceScatter()(chunked, inputs, dist.group.WORLD,
+                                                               dist.ReduceOp.SUM)),
+             "gloo": grown_by(lambda: dist.reduce_scatter_single(whole, grads, op=dist.ReduceOp.SUM))}
+    # the all-gather of a unit's parameters: a rank's part of 11.5M float32 (an odd length: the
+    # last slice is short), gathered into 2 x 46 MB
+    part = torch.randn(11_500_001, generator=generator)
+    gathered, reference = (torch.full((world_size * part.numel(),), float("nan")) for _ in range(2))
+    work = None
+
+    def gather() -> None:
+        nonlocal work
+        work = ChunkedAllGather()(gathered, part, dist.group.WORLD, async_op=True)
+
+    grown["chunked_gather"] = grown_by(gather)
+    grown["gloo_gather"] = grown_by(lambda: dist.all_gather_into_tensor(reference, part))
     if rank == 0:
-        torch.save({"equal": torch.equal(chunked, whole), "grown": grown,
-                    "input": grads.numel() * 8}, out)
+        torch.save({"equal": torch.equal(chunked, whole), "grown": grown, "input": grads.numel() * 8,
+                    "gathered_equal": torch.equal(gathered, reference), "waited": work.wait(),
+                    "output": gathered.numel() * 4}, out)
 
 
-def test_the_chunked_reduce_scatter_is_gloos_own_without_its_staging_copies(tmp_path):
-    """fsdp on CPU reduce-scatters a block's gradients a slice at a time: the same sums to the
-    bit as gloo's reduce-scatter of the whole, with about 12 MB of staging where gloo's own
-    stages as much again as its input (a 48 MB float64 input here)."""
-    run_ranks(_reduce_scatter_worker, 2, tmp_path, str(tmp_path / "out"), start_method="forkserver")
+def test_the_chunked_collectives_are_gloos_own_without_its_staging_copies(tmp_path):
+    """fsdp on CPU reduce-scatters a block's gradients and all-gathers a unit's parameters a
+    slice at a time: the same values to the bit as gloo's collective of the whole, with a few MB
+    of staging where gloo's own stages as much again as its input (reduce-scatter: a 48 MB
+    float64 input here) or its output (all-gather: 92 MB). The all-gather's work is finished
+    when it returns (FSDP2 frees the gathered buffer after its copy-out)."""
+    run_ranks(_chunked_collectives_worker, 2, tmp_path, str(tmp_path / "out"),
+              start_method="forkserver")
     got = torch.load(tmp_path / "out")
-    print(f"\nresident growth: chunked {got['grown']['chunked'] / 2**20:.1f} MiB, gloo's "
-          f"{got['grown']['gloo'] / 2**20:.1f} MiB, for a {got['input'] / 2**20:.1f} MiB input")
-    assert got["equal"]
+    grown = {key: f"{value / 2**20:.1f} MiB" for key, value in got["grown"].items()}
+    print(f"\nresident growth: {grown}, for a {got['input'] / 2**20:.1f} MiB reduce-scatter input "
+          f"and a {got['output'] / 2**20:.1f} MiB all-gather output")
+    assert got["equal"] and got["gathered_equal"] and got["waited"]
     assert got["grown"]["chunked"] < 0.4 * got["input"], got
+    assert got["grown"]["chunked_gather"] < 0.2 * got["output"], got
