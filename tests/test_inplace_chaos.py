@@ -1,7 +1,7 @@
 """In place under repeated faults (issue 32), on a real local Ray cluster with real SIGKILLs: the
-youngest replica killed every 15 s for 95 s (a crash-looping node), a replica killed while it
-writes a checkpoint, a replacement killed while it heals, a replica killed while it
-evaluates. The survivors never wait out a timeout for a peer that is gone, and every run ends
+youngest replica killed every 13 s for 80 s (a crash-looping node), a replica killed while it
+writes a checkpoint and then its replacement killed while it heals (one run), a replica killed
+while it evaluates. The survivors never wait out a timeout for a peer that is gone, and every run ends
 the same to the bit as one never interrupted, every sample once, with the same evaluations.
 Every run evaluates the held-out documents every EVAL_EVERY steps, the reference too."""
 
@@ -23,7 +23,7 @@ IN_PLACE = ["fault.recovery=in_place", f"train.epochs={EPOCHS}", "train.max_step
             "checkpoint.every_steps=10", "scaling.max_failures=-1", "eval.fraction=0.1",
             f"eval.every_steps={EVAL_EVERY}"]
 PAUSE_S = 0.3  # fault.step_pause_s of the killed runs: the numbers trained are unchanged by it
-SCHEDULE_PAUSE_S = 0.6  # the scheduled run's: its ~175 steps span the 95 s of kills
+SCHEDULE_PAUSE_S = 0.5  # the scheduled run's: its ~175 steps span the 80 s of kills
 MAX_GAP_S = 10.0  # the longest the survivors may go without a committed step (issue 32)
 SLOW_TEST_S = 900  # a loaded machine: each run minutes
 
@@ -57,13 +57,13 @@ def reference(ray_cluster, held_out_dataset, tmp_path_factory):
 
 
 @pytest.mark.timeout(SLOW_TEST_S)
-def test_youngest_replica_killed_every_15_s_costs_no_step_and_no_timeout(reference, held_out_dataset,
+def test_youngest_replica_killed_every_13_s_costs_no_step_and_no_timeout(reference, held_out_dataset,
                                                                         tmp_path):
-    """The youngest worker SIGKILLed every 15 s for 95 s (after the first kill, the
+    """The youngest worker SIGKILLed every 13 s for 80 s (after the first kill, the
     replacement: killed while it starts, restores, heals or trains). In place keeps committing
     steps, never more than MAX_GAP_S apart once the first replacement has started, and ends
     bitwise equal to the uninterrupted run, every sample once."""
-    schedule = FaultSchedule(tmp_path / "chaos", every_s=15, for_s=95)
+    schedule = FaultSchedule(tmp_path / "chaos", every_s=13, for_s=80)
     killer = threading.Thread(target=schedule.run, daemon=True)
     killer.start()
     try:
@@ -95,46 +95,34 @@ def test_youngest_replica_killed_every_15_s_costs_no_step_and_no_timeout(referen
 
 
 @pytest.mark.timeout(SLOW_TEST_S)
-def test_a_writer_killed_in_its_checkpoint_costs_the_survivor_no_wait(reference, held_out_dataset,
-                                                                     tmp_path):
-    """Rank 0 (the quorum's first participant, which writes) dies halfway through writing the
-    checkpoint of step 10, outside Ray's report barrier: the survivor commits its next step within
-    MAX_GAP_S, that checkpoint is never taken for committed (the pointer still names step 0's
-    none), the survivor writes the next ones, and the run ends as the uninterrupted one."""
-    result = run(tmp_path, held_out_dataset, "ckpt", *IN_PLACE, f"fault.step_pause_s={PAUSE_S / 3}",
-                 "fault.crash_at_step=10", "fault.crash_rank=0", "fault.crash_in_checkpoint=true")
+def test_a_writer_killed_in_its_checkpoint_then_its_replacement_in_its_heal_cost_no_wait(
+        reference, held_out_dataset, tmp_path):
+    """Two faults in series in one run. Rank 0 (the quorum's first participant, which writes)
+    dies halfway through writing the checkpoint of step 10, outside Ray's report barrier: the
+    survivor commits its next step within MAX_GAP_S, that checkpoint is never taken for
+    committed, the survivor writes the next ones. Then rank 0's first replacement dies as the
+    survivor starts sending it the heal (fault.crash_in_heal); the next replacement heals and
+    joins. The survivor never waits for a dead peer (no gap between its committed steps over
+    MAX_GAP_S from the first death on), and the run ends as the uninterrupted one."""
+    result = run(tmp_path, held_out_dataset, "ckpt", *IN_PLACE, f"fault.step_pause_s={PAUSE_S}",
+                 "fault.crash_at_step=10", "fault.crash_rank=0", "fault.crash_in_checkpoint=true",
+                 "fault.crash_in_heal=true")
     s = result.summary
     assert s["status"] == "finished" and s["restarts"] == 0 and s["replayed_steps"] == 0, s
     events = read_events(result)
-    crash = [e for e in events if e["event"] == "crash_injected"]
+    crash = [e for e in events if e["event"] == "crash_injected" and not e.get("in_heal")]
     assert len(crash) == 1 and crash[0]["in_checkpoint"] and crash[0]["step"] == 10, crash
+    in_heal = [e for e in events if e["event"] == "crash_injected" and e.get("in_heal")]
+    assert len(in_heal) == 1 and in_heal[0]["time"] > crash[0]["time"], in_heal
     recs = assert_each_step_once(result)
     after = [r for r in recs if r["time"] > crash[0]["time"]]
     cost_s = after[0]["time"] - crash[0]["time"]
-    print(f"\nthe writer killed in its checkpoint: the survivor's next step {cost_s:.1f} s after")
-    assert cost_s < MAX_GAP_S
+    worst = max(gaps_after(recs, crash[0]["time"] - MAX_GAP_S))
+    print(f"\nthe writer killed in its checkpoint: the survivor's next step {cost_s:.1f} s after; "
+          f"its replacement killed as it healed: the survivor's longest gap {worst[0]:.1f} s")
+    assert cost_s < MAX_GAP_S and worst[0] < MAX_GAP_S, sorted(gaps_after(recs, 0))[-5:]
     committed = {e["step"] for e in events if e["event"] == "checkpoint_committed"}
     assert 10 not in committed and {20, 30} <= committed, committed
-    assert_same_training(result, reference)
-
-
-@pytest.mark.timeout(SLOW_TEST_S)
-def test_a_replacement_killed_while_it_heals_costs_the_survivor_no_wait(reference, held_out_dataset,
-                                                                       tmp_path):
-    """Rank 1 dies at step 6; its replacement dies as the survivor starts sending it the heal
-    (fault.crash_in_heal); the next replacement heals and joins. The survivor never waits for
-    the dead one: no gap between its committed steps over MAX_GAP_S."""
-    result = run(tmp_path, held_out_dataset, "heal", *IN_PLACE, f"fault.step_pause_s={PAUSE_S}",
-                 "fault.crash_at_step=6", "fault.crash_rank=1", "fault.crash_in_heal=true")
-    s = result.summary
-    assert s["status"] == "finished" and s["restarts"] == 0 and s["replayed_steps"] == 0, s
-    events = read_events(result)
-    in_heal = [e for e in events if e["event"] == "crash_injected" and e.get("in_heal")]
-    assert len(in_heal) == 1, in_heal
-    recs = assert_each_step_once(result)
-    worst = max(gaps_after(recs, in_heal[0]["time"] - MAX_GAP_S))
-    print(f"\na replacement killed as it healed: the survivor's longest gap {worst[0]:.1f} s")
-    assert worst[0] < MAX_GAP_S
     healed = [e for e in events if e["event"] == "healed" and e["time"] > in_heal[0]["time"]]
     assert healed, "the next replacement never healed"
     assert max(recs, key=lambda r: r["step"])["world_size"] == 2
