@@ -4,7 +4,12 @@ at any world size, and the old one-file format still read."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ from elastic_train.training.checkpoint import (
     read_shards,
     shard_owners,
     snapshot,
+    staging_folder,
     write_checkpoint,
 )
 from elastic_train.training.model import build_model
@@ -102,3 +108,23 @@ def test_the_one_file_format_still_loads(tmp_path):
     fresh, fresh_opt = trained(seed=1)
     assert is_complete(folder) and load_checkpoint(folder, fresh, fresh_opt)["step"] == 3
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_new_staging_folder_deletes_those_of_dead_processes_only(monkeypatch, tmp_path):
+    """Each checkpoint's local copy lives in a folder named by its writer's pid until Ray has
+    copied it (then the worker deletes it); a worker killed mid-write leaves its folder, and the
+    next one made on the node deletes it. A live process's folder is kept."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    killed = tmp_path / f"elastic-train-ckpt-{dead}-x1"
+    killed.mkdir()
+    (killed / "model.shard000.pt").write_bytes(b"half written")
+    live = tmp_path / f"elastic-train-ckpt-{os.getppid()}-x2"
+    live.mkdir()
+    other = tmp_path / "elastic-train-ckpt-noPid"
+    other.mkdir()
+    made = Path(staging_folder())
+    assert made.parent == tmp_path and made.name.startswith(f"elastic-train-ckpt-{os.getpid()}-")
+    assert not killed.exists()
+    assert live.is_dir() and other.is_dir()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from elastic_train.api import TrainingFailed, train
 from elastic_train.cluster.raycompat import committed_checkpoint_step
 from elastic_train.config import ConfigError
 from elastic_train.observe.report import make_report
-from elastic_train.training.checkpoint import read_shards
+from elastic_train.training.checkpoint import STAGING_PREFIX, read_shards
 
 pytestmark = pytest.mark.ray
 
@@ -214,9 +215,11 @@ def test_a_crash_in_a_checkpoint_then_one_worker_through_ray_data_follows_the_sa
     """2 workers until rank 0 dies writing step 8's checkpoint, with no restart left: that
     checkpoint never counts. The same run resumed on 1 worker reading through the other reader
     (Ray Data read tasks) from step 4's: the same ids, losses and weights as the uninterrupted
-    2-worker run, to the bit."""
+    2-worker run, to the bit. No local copy of a checkpoint is left on the node, the killed
+    writer's half-written one included."""
     crash = ["train.epochs=2", "train.max_steps=1000", "fault.crash_at_step=8",
              "fault.crash_in_checkpoint=true"]
+    staged = set(Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*"))
     with pytest.raises(TrainingFailed):
         run(tmp_path, small_dataset, "resize", *crash, "scaling.max_failures=0")
     resized = run(tmp_path, small_dataset, "resize", *crash, "scaling.min_workers=1",
@@ -229,3 +232,5 @@ def test_a_crash_in_a_checkpoint_then_one_worker_through_ray_data_follows_the_sa
     assert s["world_sizes"] == [2, 1] and s["status"] == "finished"
     assert s["read_amplification"] > 1.0  # steps 5-8 read again
     assert_same_training(resized, reference)
+    left = set(Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*")) - staged
+    assert not left, sorted(left)

@@ -33,7 +33,12 @@ from elastic_train.config import ConfigError, FaultConfig, config_from_dict
 from elastic_train.data.rowgroups import BlockTable, DataError
 from elastic_train.observe.provenance import versions
 from elastic_train.recovery import checkpoints as in_place_checkpoints
-from elastic_train.training.checkpoint import BestCheckpointWriter, checkpoint_name, write_checkpoint
+from elastic_train.training.checkpoint import (
+    BestCheckpointWriter,
+    checkpoint_name,
+    staging_folder,
+    write_checkpoint,
+)
 from elastic_train.training.watchdog import StepWatchdog, Verdict
 
 REPORT_TRIES = 20  # a report Ray skipped (its barrier reset by a replacement) is made again this often
@@ -228,21 +233,23 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
             and self.world_rank == 0
             and ray.get(self.runlog.claim_fault.remote(f"crash_in_checkpoint@{step}"))
         )
-        checkpoint = Checkpoint.from_directory(tempfile.mkdtemp(prefix="elastic-train-ckpt-"))
+        checkpoint = Checkpoint.from_directory(staging_folder())
 
         def upload_fn(ckpt: Checkpoint, dir_name: str) -> Checkpoint:
-            if crash:  # the test hook dies mid-write once the checkpoint before is committed
-                self._wait_for_commit_then_log(previous, step, in_checkpoint=True)
-            storage = ray.train.get_context().get_storage()
-            written = f"{storage.experiment_fs_path}/{dir_name}"
-            if self.group is not None and in_place_checkpoints.is_whole(storage.storage_filesystem,
-                                                                         written):
-                # in place, the final step's periodic checkpoint, written whole already: Ray
-                # registers that folder (rewriting it could leave it half written)
+            try:
+                if crash:  # the test hook dies mid-write once the checkpoint before is committed
+                    self._wait_for_commit_then_log(previous, step, in_checkpoint=True)
+                storage = ray.train.get_context().get_storage()
+                written = f"{storage.experiment_fs_path}/{dir_name}"
+                if self.group is not None and in_place_checkpoints.is_whole(
+                        storage.storage_filesystem, written):
+                    # in place, the final step's periodic checkpoint, written whole already: Ray
+                    # registers that folder (rewriting it could leave it half written)
+                    return Checkpoint(written, filesystem=storage.storage_filesystem)
+                write_checkpoint(snap, ckpt.path, crash_midway=crash)
+                return storage.persist_current_checkpoint(ckpt, dir_name)
+            finally:  # the local copy, copied or not (Ray keeps it)
                 shutil.rmtree(ckpt.path, ignore_errors=True)
-                return Checkpoint(written, filesystem=storage.storage_filesystem)
-            write_checkpoint(snap, ckpt.path, crash_midway=crash)
-            return storage.persist_current_checkpoint(ckpt, dir_name)  # Ray deletes the local copy
 
         reported = _reported(lambda: ray.train.report(
             {"step": step},

@@ -161,6 +161,25 @@ def _shard_manifest(shard: int) -> str:
     return f"manifest.shard{shard:03d}.json"
 
 
+STAGING_PREFIX = "elastic-train-ckpt-"
+
+
+def staging_folder() -> str:
+    """A new local folder for one checkpoint's files before Ray copies them to the run's storage
+    (the caller deletes it after the copy: Ray 2.60 keeps the local copy unless asked, and a run
+    left one model-and-optimizer copy in the temporary folder per checkpoint and rank). Named by
+    this process's pid; folders of processes no longer alive (killed mid-write or mid-copy) are
+    deleted first, so a node's disk keeps no checkpoint copies of dead workers."""
+    import psutil
+
+    tmp = Path(tempfile.gettempdir())
+    for path in tmp.glob(f"{STAGING_PREFIX}*-*"):
+        pid = path.name[len(STAGING_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=tmp)
+
+
 def write_checkpoint(snap: dict[str, Any], directory: str | Path, crash_midway: bool = False) -> None:
     """Write one rank's share of a checkpoint into `directory`, its manifest last: every rank's
     files go into the same folder (Ray uploads each rank's into the checkpoint's folder). Shard 0
