@@ -360,6 +360,10 @@ def test_keep_best_with_fsdp_writes_every_ranks_rows_and_export_loads_them(held_
 
 
 def _chunked_collectives_worker(rank: int, world_size: int, out: str) -> None:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     from elastic_train.training.memory import peak_rss_bytes, return_large_frees_to_os
     from elastic_train.training.sharding import ChunkedAllGather, ChunkedReduceScatter
 
@@ -393,10 +397,22 @@ def _chunked_collectives_worker(rank: int, world_size: int, out: str) -> None:
 
     grown["chunked_gather"] = grown_by(gather)
     grown["gloo_gather"] = grown_by(lambda: dist.all_gather_into_tensor(reference, part))
+    # a unit of one parameter (an embedding, an untied head) of an odd number of rows (padded)
+    torch.manual_seed(0)
+    table = nn.Embedding(1_000_001, 16)
+    before = table.weight.detach().clone()
+    fully_shard(table, mesh=init_device_mesh("cpu", (world_size,)))
+    table.set_custom_all_gather(ChunkedAllGather(table))
+    grown["one_parameter_unit"] = grown_by(table.unshard)
+    table_equal = torch.equal(table.weight, before)
+    table.reshard()
+    table.unshard()  # into the buffer freed by the reshard, allocated again
+    table_equal = table_equal and torch.equal(table.weight, before)
     if rank == 0:
         torch.save({"equal": torch.equal(chunked, whole), "grown": grown, "input": grads.numel() * 8,
                     "gathered_equal": torch.equal(gathered, reference), "waited": work.wait(),
-                    "output": gathered.numel() * 4}, out)
+                    "output": gathered.numel() * 4, "table_equal": table_equal,
+                    "table": before.numel() * 4}, out)
 
 
 def test_the_chunked_collectives_are_gloos_own_without_its_staging_copies(tmp_path):
@@ -404,7 +420,9 @@ def test_the_chunked_collectives_are_gloos_own_without_its_staging_copies(tmp_pa
     slice at a time: the same values to the bit as gloo's collective of the whole, with a few MB
     of staging where gloo's own stages as much again as its input (reduce-scatter: a 48 MB
     float64 input here) or its output (all-gather: 92 MB). The all-gather's work is finished
-    when it returns (FSDP2 frees the gathered buffer after its copy-out)."""
+    when it returns (FSDP2 frees the gathered buffer after its copy-out). A unit of one parameter
+    is gathered straight into that parameter's unsharded buffer: its table is held once, not
+    twice (FSDP2's own buffer and the copy-out), and equals the table before sharding."""
     run_ranks(_chunked_collectives_worker, 2, tmp_path, str(tmp_path / "out"),
               start_method="forkserver")
     got = torch.load(tmp_path / "out")
@@ -414,3 +432,5 @@ def test_the_chunked_collectives_are_gloos_own_without_its_staging_copies(tmp_pa
     assert got["equal"] and got["gathered_equal"] and got["waited"]
     assert got["grown"]["chunked"] < 0.4 * got["input"], got
     assert got["grown"]["chunked_gather"] < 0.2 * got["output"], got
+    assert got["table_equal"]
+    assert got["grown"]["one_parameter_unit"] < 1.25 * got["table"], got

@@ -177,7 +177,7 @@ def shard_units(root: nn.Module, model: nn.Module, blocks: list[nn.Module], *, m
         return
     for module in root.modules():
         if isinstance(module, FSDPModule):
-            module.set_custom_all_gather(ChunkedAllGather())
+            module.set_custom_all_gather(ChunkedAllGather(module))
             module.set_custom_reduce_scatter(ChunkedReduceScatter())
             # No backward prefetch: FSDP2 gathers the next block during a block's backward to
             # overlap the two on a GPU's streams; gloo's collectives block the CPU, so it only
@@ -201,7 +201,29 @@ class ChunkedAllGather(_PlainAllocation):
     gathered buffer as soon as it has copied the parameters out, where after a synchronous
     all-gather in forward it keeps it until the next unit's copy-out (to overlap the two on a
     GPU's streams; on gloo nothing overlaps). FSDP2's `AllGather` interface
-    (`FSDPModule.set_custom_all_gather`), CPU only: NCCL needs no staging."""
+    (`FSDPModule.set_custom_all_gather`), CPU only: NCCL needs no staging.
+
+    A unit of one parameter (an embedding, an untied head: `loose_leaves`) gathers straight into
+    that parameter's unsharded buffer, whose layout is the gathered one (rows, rank by rank):
+    FSDP2 allocates a buffer to gather into and then copies it into the parameter's, so the
+    largest table of a model was held twice for that copy (2 x 131 MB for a 1.1B Llama's head in
+    bf16). Its copy-out is then a copy onto itself."""
+
+    def __init__(self, module: nn.Module | None = None) -> None:
+        group = module._get_fsdp_state()._fsdp_param_group if module is not None else None
+        params = group.fsdp_params if group is not None else []
+        self.param = params[0] if len(params) == 1 and params[0].fsdp_placement.dim == 0 else None
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.param is None:
+            return super().allocate(size, dtype=dtype, device=device)
+        world_size = self.param.mesh_info.shard_mesh_size
+        self.param.init_all_gather_outputs([size[0] // world_size], [dtype], world_size, device)
+        buffer = self.param.all_gather_outputs[0]
+        if buffer.dtype != dtype or buffer.numel() != size[0]:  # not the layout assumed
+            return super().allocate(size, dtype=dtype, device=device)
+        self.param.alloc_all_gather_outputs()
+        return buffer
 
     CHUNK = 1 << 18  # elements of one rank's part per call: 1 MiB in float32
 
