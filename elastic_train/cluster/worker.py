@@ -248,7 +248,7 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
                     return Checkpoint(written, filesystem=storage.storage_filesystem)
                 write_checkpoint(snap, ckpt.path, crash_midway=crash)
                 return storage.persist_current_checkpoint(ckpt, dir_name)
-            finally:  # the local copy, copied or not (Ray keeps it)
+            finally:  # the local copy, copied or not (Ray deletes an ASYNC upload's only)
                 shutil.rmtree(ckpt.path, ignore_errors=True)
 
         reported = _reported(lambda: ray.train.report(
@@ -257,6 +257,7 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
             checkpoint_dir_name=checkpoint_name(step),
             checkpoint_upload_mode=CheckpointUploadMode.SYNC if final else CheckpointUploadMode.ASYNC,
             checkpoint_upload_fn=upload_fn,
+            delete_local_checkpoint_after_upload=False,  # upload_fn has
         ))
         if not reported:  # skipped before the upload: its folder was never used
             shutil.rmtree(checkpoint.path, ignore_errors=True)

@@ -166,8 +166,9 @@ STAGING_PREFIX = "elastic-train-ckpt-"
 
 def staging_folder() -> str:
     """A new local folder for one checkpoint's files before Ray copies them to the run's storage
-    (the caller deletes it after the copy: Ray 2.60 keeps the local copy unless asked, and a run
-    left one model-and-optimizer copy in the temporary folder per checkpoint and rank). Named by
+    (the caller deletes it after the copy: Ray 2.60 deletes the local copy of an ASYNC upload
+    only, and each run left its final checkpoint's, one model-and-optimizer copy per rank, in the
+    temporary folder, and a killed writer its half-written one). Named by
     this process's pid; folders of processes no longer alive (killed mid-write or mid-copy) are
     deleted first, so a node's disk keeps no checkpoint copies of dead workers."""
     import psutil
