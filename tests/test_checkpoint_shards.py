@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -111,20 +112,23 @@ def test_the_one_file_format_still_loads(tmp_path):
 
 
 def test_a_new_staging_folder_deletes_those_of_dead_processes_only(monkeypatch, tmp_path):
-    """Each checkpoint's local copy lives in a folder named by its writer's pid until Ray has
-    copied it (then the worker deletes it); a worker killed mid-write leaves its folder, and the
-    next one made on the node deletes it. A live process's folder is kept."""
+    """Each checkpoint's local copy lives in a folder named by its writer's pid and host until
+    Ray has copied it (then the worker deletes it); a worker killed mid-write leaves its folder,
+    and the next one made on the node deletes it. A live process's folder is kept, and so is one
+    of another host (a container sharing the folder, its pids its own)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    host = socket.gethostname()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    killed = tmp_path / f"elastic-train-ckpt-{dead}-x1"
+    killed = tmp_path / f"elastic-train-ckpt-{dead}.{host}.x1"
     killed.mkdir()
     (killed / "model.shard000.pt").write_bytes(b"half written")
-    live = tmp_path / f"elastic-train-ckpt-{os.getppid()}-x2"
-    live.mkdir()
-    other = tmp_path / "elastic-train-ckpt-noPid"
-    other.mkdir()
+    kept = [tmp_path / f"elastic-train-ckpt-{os.getppid()}.{host}.x2",  # alive
+            tmp_path / f"elastic-train-ckpt-{dead}.other-{host}.x3",  # another host's
+            tmp_path / "elastic-train-ckpt-noPid"]
+    for folder in kept:
+        folder.mkdir()
     made = Path(staging_folder())
-    assert made.parent == tmp_path and made.name.startswith(f"elastic-train-ckpt-{os.getpid()}-")
+    assert made.parent == tmp_path and made.name.startswith(f"elastic-train-ckpt-{os.getpid()}.{host}.")
     assert not killed.exists()
-    assert live.is_dir() and other.is_dir()
+    assert all(folder.is_dir() for folder in kept)

@@ -168,17 +168,22 @@ def staging_folder() -> str:
     """A new local folder for one checkpoint's files before Ray copies them to the run's storage
     (the caller deletes it after the copy: Ray 2.60 deletes the local copy of an ASYNC upload
     only, and each run left its final checkpoint's, one model-and-optimizer copy per rank, in the
-    temporary folder, and a killed writer its half-written one). Named by
-    this process's pid; folders of processes no longer alive (killed mid-write or mid-copy) are
-    deleted first, so a node's disk keeps no checkpoint copies of dead workers."""
+    temporary folder, and a killed writer its half-written one). Named by this process's pid and
+    host (`elastic-train-ckpt-<pid>.<host>.*`); folders of this host's processes no longer alive
+    (killed mid-write or mid-copy) are deleted first, so a node's disk keeps no checkpoint copies
+    of dead workers. The host in the name keeps containers that share a temporary folder, each
+    with pids of its own, out of each other's folders."""
+    import glob
+    import socket
+
     import psutil
 
-    tmp = Path(tempfile.gettempdir())
-    for path in tmp.glob(f"{STAGING_PREFIX}*-*"):
-        pid = path.name[len(STAGING_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+    tmp, host = Path(tempfile.gettempdir()), socket.gethostname()
+    for path in tmp.glob(f"{STAGING_PREFIX}*.{glob.escape(host)}.*"):
+        pid, _, rest = path.name[len(STAGING_PREFIX):].partition(".")
+        if pid.isdigit() and rest.startswith(f"{host}.") and not psutil.pid_exists(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=tmp)
+    return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}.{host}.", dir=tmp)
 
 
 def write_checkpoint(snap: dict[str, Any], directory: str | Path, crash_midway: bool = False) -> None:
