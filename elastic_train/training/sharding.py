@@ -209,6 +209,8 @@ class ChunkedAllGather(_PlainAllocation):
     largest table of a model was held twice for that copy (2 x 131 MB for a 1.1B Llama's head in
     bf16). Its copy-out is then a copy onto itself."""
 
+    CHUNK = 1 << 18  # elements of one rank's part per call: 1 MiB in float32
+
     def __init__(self, module: nn.Module | None = None) -> None:
         group = module._get_fsdp_state()._fsdp_param_group if module is not None else None
         params = group.fsdp_params if group is not None else []
@@ -224,8 +226,6 @@ class ChunkedAllGather(_PlainAllocation):
             return super().allocate(size, dtype=dtype, device=device)
         self.param.alloc_all_gather_outputs()
         return buffer
-
-    CHUNK = 1 << 18  # elements of one rank's part per call: 1 MiB in float32
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work:
