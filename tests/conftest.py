@@ -18,6 +18,23 @@ TINY = [
 ]
 
 
+# Rough seconds a test of each tier takes here: a module's cost is the sum over its tests (a Ray
+# test is a fit or two, a chaos test several with faults between).
+TIER_COST_S = {"chaos": 60.0, "ray": 25.0, "slow": 40.0, "dist": 3.0, "unit": 0.1}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The costliest modules first, each module's tests together and in their order. The two
+    xdist workers of scripts/test.sh (`--dist loadfile`) take whole modules in this order, one
+    after another: started last, a long Ray module would end the suite on one worker while the
+    other has nothing left to do."""
+    cost: dict[str, float] = {}
+    for item in items:
+        tiers = [TIER_COST_S[m.name] for m in item.iter_markers() if m.name in TIER_COST_S]
+        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + max(tiers, default=0.1)
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])
+
+
 @pytest.fixture(scope="session")
 def tiny() -> list[str]:
     """Overrides for a tiny model and budget: a step takes tens of milliseconds."""

@@ -123,12 +123,16 @@ def ray_head(tmp_path_factory):
     agent port, and the head's job agent never registered ("No available agent to submit job")."""
     own_ray_cluster()
     gcs_port, dashboard_port = _free_port(), _free_port()
+    # The head's fixed default ports (its dashboard agent's 52365, the client server's 10001) are
+    # taken when another cluster runs on the machine (the other xdist worker's): free ones instead
+    fixed = [f"--{name}={_free_port()}" for name in ("dashboard-agent-listen-port",
+                                                     "ray-client-server-port")]
     log = open(tmp_path_factory.mktemp("ray_head") / "ray_start.log", "w")
     _run([str(BIN / "ray"), "get-auth-token", "--generate"], timeout_s=60)  # no-op if one exists
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs_port}",
          "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard_port}", "--num-cpus=4", "--include-dashboard=true"],
+         f"--dashboard-port={dashboard_port}", *fixed, "--num-cpus=4", "--include-dashboard=true"],
         env=_client_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     head = Head(gcs_port, dashboard_port)
