@@ -51,43 +51,13 @@ def reference(ray_cluster, small_dataset, tmp_path_factory):
     return run(tmp_path_factory.mktemp("ref"), small_dataset, "ref", *LONG, *SLOWED)
 
 
-@pytest.mark.timeout(SLOW_TEST_S)
-def test_a_rank_stuck_in_its_step_fails_the_attempt_within_the_timeout(reference, small_dataset,
-                                                                      tmp_path):
-    """Rank 1 stuck at the end of step 8, a checkpoint step, in a live process that answers Ray's
-    health checks. Two deadlines of the same length race: rank 0 waits for it in the all-gather of
-    the data cursors before the checkpoint (the collective timeout), and rank 1's step watchdog
-    ends its own process (the timeout plus two median steps); whichever fires first fails the
-    attempt and Ray restarts the group. (Stuck at another step, rank 0's next all-reduce times out
-    the same way.)"""
-    result = run(tmp_path, small_dataset, "hang", *LONG, f"scaling.collective_timeout_s={TIMEOUT_S}",
-                 "fault.hang_at_step=8", "fault.hang_rank=1")
-    s = result.summary
-    assert s["status"] == "finished" and s["restarts"] == 1 and s["world_sizes"] == [2, 2]
-    found = events(Path(result.run_dir))
-    hang = next(e for e in found if e["event"] == "hang_injected")
-    assert (hang["rank"], hang["step"]) == (1, 8)
-    # the watchdog said so well before any deadline
-    slow = [e for e in found if e["event"] == "slow_step" and (e["rank"], e["step"]) == (1, 8)]
-    assert len(slow) == 1 and slow[0]["time"] < hang["time"] + TIMEOUT_S
-    timeouts = [e for e in found if e["event"] == "step_timeout"]
-    if timeouts:  # the watchdog's deadline came first (else rank 0's collective timed out)
-        assert (timeouts[0]["rank"], timeouts[0]["step"], timeouts[0]["pid"]) == (1, 8, hang["pid"])
-        assert TIMEOUT_S <= timeouts[0]["elapsed_s"] < TIMEOUT_S + 5
-        assert timeouts[0]["time"] - hang["time"] < TIMEOUT_S + MARGIN_S
-    recovered_s = first_step_begin(result, 1) - hang["time"]
-    print(f"\nhang at step 8: {'step_timeout' if timeouts else 'collective timeout'}, next "
-          f"attempt's first step after {recovered_s:.1f} s (collective_timeout_s={TIMEOUT_S})")
-    assert recovered_s < TIMEOUT_S + MARGIN_S + RESTART_S
-    assert_same_training(result, reference)
-
-
 class Freezer:
-    """Watches a running fit's files: SIGSTOPs rank 1 of attempt 0 once the run logged `step`,
-    then watches that process until Ray ends it."""
+    """Watches a running fit's files: SIGSTOPs rank 1 of `attempt` once that attempt logged
+    `step`, then watches that process until Ray ends it."""
 
-    def __init__(self, run_dir: Path, step: int, reclaim_after_s: float | None = None) -> None:
-        self.run_dir, self.step = run_dir, step
+    def __init__(self, run_dir: Path, step: int, reclaim_after_s: float | None = None,
+                 attempt: int = 0) -> None:
+        self.run_dir, self.step, self.attempt = run_dir, step, attempt
         # as a cloud reclaims a dead machine: SIGKILL the frozen process if Ray has not ended it
         # this long after the freeze
         self.reclaim_after_s = reclaim_after_s
@@ -116,10 +86,11 @@ class Freezer:
     def _freeze(self) -> None:
         while not self.done.wait(0.1):
             start = [e for e in events(self.run_dir) if e["event"] == "start"
-                     and e["attempt"] == 0 and e["rank"] == 1]
+                     and e["attempt"] == self.attempt and e["rank"] == 1]
             path = self.run_dir / "metrics.jsonl"
-            steps = [json.loads(line)["step"] for line in path.read_text().splitlines()
-                     if line.endswith("}")] if path.is_file() else []
+            records = [json.loads(line) for line in path.read_text().splitlines()
+                       if line.endswith("}")] if path.is_file() else []
+            steps = [r["step"] for r in records if r["attempt"] == self.attempt]
             if start and steps and max(steps) >= self.step:
                 self.process = psutil.Process(start[0]["pid"])
                 self.stopped_at = time.time()
@@ -137,29 +108,59 @@ class Freezer:
 
 
 @pytest.mark.timeout(SLOW_TEST_S)
-def test_a_frozen_worker_fails_the_attempt_within_the_timeout(reference, small_dataset, tmp_path):
-    """Rank 1 SIGSTOPped at step 8 or a little later (a slowed rank 1 gives the test time)."""
-    freezer = Freezer(tmp_path / "frozen", step=8)
+def test_a_stuck_rank_then_a_frozen_worker_each_fail_their_attempt_within_the_timeout(
+        reference, small_dataset, tmp_path):
+    """Two hangs in one run, the second in the attempt that recovered from the first.
+
+    Attempt 0: rank 1 stuck at the end of step 8, a checkpoint step, in a live process that
+    answers Ray's health checks. Two deadlines of the same length race: rank 0 waits for it in the
+    all-gather of the data cursors before the checkpoint (the collective timeout), and rank 1's
+    step watchdog ends its own process (the timeout plus two median steps); whichever fires first
+    fails the attempt and Ray restarts the group. (Stuck at another step, rank 0's next all-reduce
+    times out the same way.)
+
+    Attempt 1: rank 1 SIGSTOPped once the attempt logged step 14 (a slowed rank 1 gives the test
+    time): a frozen process answers nothing, so Ray's health check (the same timeout) ends the
+    attempt, and Ray's shutdown of the group must not leave the frozen process behind."""
+    freezer = Freezer(tmp_path / "hangs", step=14, attempt=1)
     watcher = threading.Thread(target=freezer.watch, daemon=True)
     watcher.start()
     try:
-        result = run(tmp_path, small_dataset, "frozen", *LONG,
-                     f"scaling.collective_timeout_s={TIMEOUT_S}", "fault.slow_rank=1",
-                     "fault.slow_step_s=0.3")
+        result = run(tmp_path, small_dataset, "hangs", *LONG, "scaling.max_failures=2",
+                     f"scaling.collective_timeout_s={TIMEOUT_S}", "fault.hang_at_step=8",
+                     "fault.hang_rank=1", "fault.slow_rank=1", "fault.slow_step_s=0.3")
     finally:
         leaked = freezer.release()
         watcher.join()
-    assert freezer.stopped_at is not None, "the run ended before the test could freeze rank 1"
     s = result.summary
-    assert s["status"] == "finished" and s["restarts"] == 1 and s["world_sizes"] == [2, 2]
+    assert s["status"] == "finished" and s["restarts"] == 2 and s["world_sizes"] == [2, 2, 2]
+    # the stuck rank
+    found = events(Path(result.run_dir))
+    hang = next(e for e in found if e["event"] == "hang_injected")
+    assert (hang["rank"], hang["step"]) == (1, 8)
+    # the watchdog said so well before any deadline
+    slow = [e for e in found if e["event"] == "slow_step" and (e["rank"], e["step"]) == (1, 8)]
+    assert len(slow) == 1 and slow[0]["time"] < hang["time"] + TIMEOUT_S
+    stuck_s = first_step_begin(result, 1) - hang["time"]
+    timeouts = [e for e in found if e["event"] == "step_timeout"  # attempt 0's
+                and e["time"] < first_step_begin(result, 1)]
+    if timeouts:  # the watchdog's deadline came first (else rank 0's collective timed out)
+        assert (timeouts[0]["rank"], timeouts[0]["step"], timeouts[0]["pid"]) == (1, 8, hang["pid"])
+        assert TIMEOUT_S <= timeouts[0]["elapsed_s"] < TIMEOUT_S + 5
+        assert timeouts[0]["time"] - hang["time"] < TIMEOUT_S + MARGIN_S
+    # the frozen worker
+    assert freezer.stopped_at is not None, "the run ended before the test could freeze rank 1"
+    assert freezer.stopped_at > first_step_begin(result, 1)
     assert not leaked, "Ray left the frozen worker process behind"
     ended_s = freezer.ended_at - freezer.stopped_at
-    recovered_s = first_step_begin(result, 1) - freezer.stopped_at
-    print(f"\nSIGSTOP of rank 1: the frozen process ended after {ended_s:.1f} s, the next "
-          f"attempt's first step after {recovered_s:.1f} s (collective_timeout_s={TIMEOUT_S}; "
-          "455 s before)")
+    frozen_s = first_step_begin(result, 2) - freezer.stopped_at
+    print(f"\nhang at step 8: {'step_timeout' if timeouts else 'collective timeout'}, next "
+          f"attempt's first step after {stuck_s:.1f} s; SIGSTOP of rank 1 in attempt 1: the "
+          f"frozen process ended after {ended_s:.1f} s, the next attempt's first step after "
+          f"{frozen_s:.1f} s (collective_timeout_s={TIMEOUT_S}; 455 s before)")
+    assert stuck_s < TIMEOUT_S + MARGIN_S + RESTART_S
     assert ended_s < TIMEOUT_S + MARGIN_S + RAY_SHUTDOWN_S
-    assert recovered_s < TIMEOUT_S + MARGIN_S + RAY_SHUTDOWN_S + RESTART_S
+    assert frozen_s < TIMEOUT_S + MARGIN_S + RAY_SHUTDOWN_S + RESTART_S
     assert_same_training(result, reference)
 
 
