@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import own_ray_cluster
+from test_bad_input import other_cluster  # noqa: F401 - fixture
 
 from elastic_train.config import ConfigError, load_config
 
@@ -127,11 +130,16 @@ def ray_head(tmp_path_factory):
     # taken when another cluster runs on the machine (the other xdist worker's): free ones instead
     fixed = [f"--{name}={_free_port()}" for name in ("dashboard-agent-listen-port",
                                                      "ray-client-server-port")]
+    # Ray's job supervisor points a job's driver at the cluster that its temp folder's
+    # `ray_current_cluster` names ("auto"): in the shared /tmp/ray, the cluster started last on the
+    # machine, which may be another's (test_job_submit_smoke_trains starts one). A temp folder of
+    # its own keeps the head's jobs on the head; a short path, for its sockets' names.
+    temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")
     log = open(tmp_path_factory.mktemp("ray_head") / "ray_start.log", "w")
     _run([str(BIN / "ray"), "get-auth-token", "--generate"], timeout_s=60)  # no-op if one exists
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs_port}",
-         "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+         "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--temp-dir={temp_dir}",
          f"--dashboard-port={dashboard_port}", *fixed, "--num-cpus=4", "--include-dashboard=true"],
         env=_client_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -142,6 +150,7 @@ def ray_head(tmp_path_factory):
     finally:
         _end_group(proc)
         log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _wait_until_up(proc: subprocess.Popen, head: Head, log_path: str, timeout_s: float = 480) -> None:
@@ -220,7 +229,10 @@ def _summary(run_dir: Path) -> dict:
 
 
 @pytest.mark.ray
-def test_job_submit_smoke_trains(ray_head: Head, tmp_path: Path):
+def test_job_submit_smoke_trains(ray_head: Head, other_cluster: str, tmp_path: Path):  # noqa: F811
+    """The smoke job on the head, with another cluster started on the machine after it (1 CPU, in
+    Ray's shared temp folder, as a user's second `ray start` or another test session's): the job
+    trains on the head it was submitted to, not on the cluster started last."""
     submitted = _submit(ray_head, "et-smoke", f"run.storage_path={tmp_path}", "run.name=smoke")
     logs = _job(ray_head, "logs", "et-smoke")
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
