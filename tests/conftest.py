@@ -24,10 +24,12 @@ TIER_COST_S = {"chaos": 60.0, "ray": 25.0, "slow": 40.0, "dist": 3.0, "unit": 0.
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """The costliest modules first, each module's tests together and in their order. The two
-    xdist workers of scripts/test.sh (`--dist loadfile`) take whole modules in this order, one
-    after another: started last, a long Ray module would end the suite on one worker while the
-    other has nothing left to do."""
+    """Under pytest-xdist (scripts/test.sh with TEST_WORKERS=2), the costliest modules first, each
+    module's tests together and in their order. The workers (`--dist loadfile`) take whole modules
+    in this order, one after another: started last, a long Ray module would end the suite on one
+    worker while the other has nothing left to do. In one process, the files' order."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
     cost: dict[str, float] = {}
     for item in items:
         tiers = [TIER_COST_S[m.name] for m in item.iter_markers() if m.name in TIER_COST_S]
