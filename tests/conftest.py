@@ -30,11 +30,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     worker while the other has nothing left to do. In one process, the files' order."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
-    cost: dict[str, float] = {}
+    cost: dict[Path, float] = {}
     for item in items:
         tiers = [TIER_COST_S[m.name] for m in item.iter_markers() if m.name in TIER_COST_S]
-        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + max(tiers, default=0.1)
-    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])
+        cost[item.path] = cost.get(item.path, 0.0) + max(tiers, default=0.1)
+    items.sort(key=lambda item: -cost[item.path])
 
 
 @pytest.fixture(scope="session")
