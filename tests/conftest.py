@@ -24,7 +24,7 @@ TIER_COST_S = {"chaos": 60.0, "ray": 25.0, "slow": 40.0, "dist": 3.0, "unit": 0.
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (scripts/test.sh with TEST_WORKERS=2), the costliest modules first, each
+    """Under pytest-xdist (scripts/test.sh by default), the costliest modules first, each
     module's tests together and in their order. The workers (`--dist loadfile`) take whole modules
     in this order, one after another: started last, a long Ray module would end the suite on one
     worker while the other has nothing left to do. In one process, the files' order."""
@@ -91,11 +91,19 @@ def start_shared_ray() -> None:
     # each fit's end waited 12 s for the cleaner to give up (40 s GCS timeouts).
     # A group with a frozen worker in it (tests/test_hangs.py): Ray's controller waits this long
     # for its ranks to leave the process group before it kills them (30 s by default).
-    port = _free_port()
-    with _environ({"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"127.0.0.1:{port}",
-                   "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(PROCESS_GROUP_SHUTDOWN_S)}):
-        ray.init(address="local", num_cpus=4, dashboard_host="127.0.0.1", include_dashboard=True,
-                 log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})
+    for attempt in range(2):  # the port may be taken before the GCS binds it (the other xdist worker)
+        port = _free_port()
+        try:
+            with _environ({"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"127.0.0.1:{port}",
+                           "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(PROCESS_GROUP_SHUTDOWN_S)}):
+                ray.init(address="local", num_cpus=4, dashboard_host="127.0.0.1",
+                         include_dashboard=True, log_to_driver=False,
+                         _system_config={"metrics_report_interval_ms": 1000})
+            return
+        except (ConnectionError, RuntimeError):
+            if attempt:
+                raise
+            ray.shutdown()
 
 
 def own_ray_cluster() -> None:
