@@ -175,3 +175,30 @@ def test_the_run_log_fences_a_registered_process_on_its_node(ray_cluster, tmp_pa
     finally:
         child.kill()
         child.wait()
+
+
+def test_every_worker_of_a_group_start_gets_the_attempt_its_first_began(ray_cluster, tmp_path):
+    """RunLog.begin_group_attempt, called by a group start's workers at once (the RunLog runs
+    calls on several threads): the first begins the attempt, and every other gets that attempt's
+    index, never the one before it. Seen under load: rank 1 took -1 (the attempt not yet
+    begun), its step records were never merged with rank 0's and the summary counted every step
+    replayed. Here the run's acceptance is slow (0.5 s: staged files renamed on a remote store, a
+    tracked run opened), which holds the first caller inside the attempt's start while the others
+    ask; then more group starts, each with as many callers as the RunLog has threads."""
+    import ray
+
+    from elastic_train.cluster.runlog import RunLog
+
+    class SlowAcceptRunLog(RunLog.__ray_actor_class__):
+        def accept(self) -> None:
+            time.sleep(0.5)
+            super().accept()
+
+    runlog = ray.remote(num_cpus=0, max_concurrency=4)(SlowAcceptRunLog).remote(str(tmp_path / "run"))
+    for start in range(4):
+        got = ray.get([runlog.begin_group_attempt.remote(f"group-{start}", 4) for _ in range(4)])
+        assert got == [start] * 4, (start, got)
+        assert ray.get(runlog.join_attempt.remote()) == start
+    attempts = json.loads((tmp_path / "run" / "attempts.json").read_text())
+    assert [a["attempt"] for a in attempts] == list(range(4))
+    ray.kill(runlog)

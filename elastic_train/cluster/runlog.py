@@ -60,6 +60,10 @@ class RunLog:
         self.replicas: dict[tuple[int, int], tuple[str, float]] = {}  # ... (rank, pid): (node, start)
         self.logged: dict[str, set[tuple[int, int]]] = {}  # ... "step"/"eval": (attempt, step) kept
         self._logged_lock = threading.Lock()  # ... taken by up to max_concurrency calls at once
+        # The attempts and the group start's state, read and changed by several workers' calls
+        # at once: a group's second worker must not see the new token before the attempt exists
+        # (it took index -1 and its records were counted as replays; seen under load).
+        self._attempt_lock = threading.Lock()
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
         # this driver's session: its first attempt resumes the run if an earlier driver's began one
@@ -74,6 +78,10 @@ class RunLog:
         """Record a new attempt (a start or restart of the worker group); return its index. Its
         `cause`: start (the run's first), resume (a new driver's first: the user ran it again) or
         restart (after a failure). The first accepts the run (`accept`)."""
+        with self._attempt_lock:
+            return self._begin_attempt(world_size)
+
+    def _begin_attempt(self, world_size: int) -> int:
         self.accept()
         cause = "start" if not self.attempts else "restart" if self.session_attempts else "resume"
         self.session_attempts += 1
@@ -109,22 +117,25 @@ class RunLog:
     def begin_group_attempt(self, token: str, world_size: int) -> int:
         """In-place recovery: every worker of a group start asks with the same token (inplace.py);
         the first begins the attempt, the others get its index."""
-        if self.group_token != token:
-            self.group_token, self.finished_step, self.group_ready = token, None, set()
-            self.begin_attempt(world_size)
-        return len(self.attempts) - 1
+        with self._attempt_lock:
+            if self.group_token != token:
+                self.group_token, self.finished_step, self.group_ready = token, None, set()
+                self._begin_attempt(world_size)
+            return len(self.attempts) - 1
 
     def ready_in_group(self, token: str, world_rank: int) -> int:
         """In-place recovery: a worker of a group start is ready for its first quorum; returns
         how many are (they start together, or the first would train the run alone)."""
-        if self.group_token == token:
-            self.group_ready.add(world_rank)
-        return len(self.group_ready)
+        with self._attempt_lock:
+            if self.group_token == token:
+                self.group_ready.add(world_rank)
+            return len(self.group_ready)
 
     def join_attempt(self) -> int:
         """In-place recovery: a replacement joins the current attempt (no restart)."""
-        self.replacements += 1
-        return max(len(self.attempts) - 1, 0)
+        with self._attempt_lock:
+            self.replacements += 1
+            return max(len(self.attempts) - 1, 0)
 
     def register_replica(self, world_rank: int, pid: int, node_id: str, process_start: float) -> None:
         """In-place recovery: where a replica's process runs, should it have to be fenced."""
@@ -187,10 +198,11 @@ class RunLog:
 
     def end_attempt(self, end: dict[str, Any]) -> None:
         """The current attempt ended (a failure, or the run's end: finished, stopped)."""
-        current = self.attempts[-1] if self.attempts else None
-        if current is not None and current.get("session") == self.session and "end" not in current:
-            current["end"] = {"time": time.time(), **end}
-            self.folder.write("attempts.json", json.dumps(self.attempts))
+        with self._attempt_lock:
+            current = self.attempts[-1] if self.attempts else None
+            if current is not None and current.get("session") == self.session and "end" not in current:
+                current["end"] = {"time": time.time(), **end}
+                self.folder.write("attempts.json", json.dumps(self.attempts))
 
     def log_step(self, record: dict[str, Any]) -> None:
         self.latest = {**record, **self._window(record)}
