@@ -80,7 +80,7 @@ def start_shared_ray() -> None:
     10 s by default). A module that needs a cluster of its own calls `own_ray_cluster` first."""
     import ray
 
-    from elastic_train.cluster.driver import _environ, _free_port
+    from elastic_train.cluster.driver import start_local_ray
 
     if ray.is_initialized():
         return
@@ -91,19 +91,9 @@ def start_shared_ray() -> None:
     # each fit's end waited 12 s for the cleaner to give up (40 s GCS timeouts).
     # A group with a frozen worker in it (tests/test_hangs.py): Ray's controller waits this long
     # for its ranks to leave the process group before it kills them (30 s by default).
-    for attempt in range(2):  # the port may be taken before the GCS binds it (the other xdist worker)
-        port = _free_port()
-        try:
-            with _environ({"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"127.0.0.1:{port}",
-                           "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(PROCESS_GROUP_SHUTDOWN_S)}):
-                ray.init(address="local", num_cpus=4, dashboard_host="127.0.0.1",
-                         include_dashboard=True, log_to_driver=False,
-                         _system_config={"metrics_report_interval_ms": 1000})
-            return
-        except (ConnectionError, RuntimeError):
-            if attempt:
-                raise
-            ray.shutdown()
+    start_local_ray({"TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(PROCESS_GROUP_SHUTDOWN_S)},
+                    num_cpus=4, dashboard_host="127.0.0.1", include_dashboard=True,
+                    log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})
 
 
 def own_ray_cluster() -> None:

@@ -75,20 +75,26 @@ def init_ray(cfg: Config) -> bool:
     workers_cpus = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
     # Ray Data's read tasks need CPUs beyond the workers' or they wait forever.
     num_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(workers_cpus) + 2)
-    for attempt in range(2):  # the chosen port may be taken before the GCS binds it
+    start_local_ray({"PYTHONPATH": driver_pythonpath()}, num_cpus=num_cpus,
+                    include_dashboard=cfg.run.dashboard, dashboard_host="127.0.0.1")
+    return True
+
+
+def start_local_ray(environ: dict[str, str], **init_kwargs) -> None:
+    """ray.init of a new local cluster on a free GCS port, its processes told its address (and
+    `environ`) through the environment they inherit. Tried twice: the chosen port may be taken
+    before the GCS binds it (another cluster starting on the machine)."""
+    for attempt in range(2):
         port = _free_port()
-        inherited = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"127.0.0.1:{port}",
-                     "PYTHONPATH": driver_pythonpath()}
+        inherited = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"127.0.0.1:{port}", **environ}
         try:
             with _environ(inherited):
-                ray.init(address="local", num_cpus=num_cpus, include_dashboard=cfg.run.dashboard,
-                         dashboard_host="127.0.0.1")
-            return True
+                ray.init(address="local", **init_kwargs)
+            return
         except (ConnectionError, RuntimeError):
             if attempt:
                 raise
             ray.shutdown()
-    return True
 
 
 @contextlib.contextmanager
