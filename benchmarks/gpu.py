@@ -60,8 +60,11 @@ CPU_MODELS = {
     "llama": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512},
 }
-# (name, kind, model, compile, reduce, steps, timeout_s), most wanted first: a short budget
-# drops the last ones. steps: warm-up, steady window, then 2 profiled steps.
+# (name, kind, model, compile, reduce, steps, timeout_s[, micro-batch tokens]), most wanted first:
+# a short budget drops the last ones (`--cases` runs the named ones in its own order). steps:
+# warm-up, steady window, then 2 profiled steps. A `_m64k` case takes the whole 64k-token step as
+# one micro-batch: does the 100M GPT's MFU rise with fewer, larger micro-batches (the GPU default
+# of data.micro_batch_tokens is at most 16384, config/devices.py)?
 CASES = [
     ("bare_gpt100m_eager", "bare", "gpt100m", False, "-", 30, 60),
     ("ours_gpt100m_eager_ddp", "ours", "gpt100m", False, "ddp", 30, 90),
@@ -72,8 +75,21 @@ CASES = [
     ("ours_gpt100m_compile_ddp", "ours", "gpt100m", True, "ddp", 30, 150),
     ("ours_gpt1b_eager_exact", "ours", "gpt1b", False, "exact", 16, 120),
     ("bare_llama_eager", "bare", "llama", False, "-", 16, 60),
-    ("ours_llama_eager_ddp", "ours", "llama", False, "ddp", 16, 90),
+    ("ours_llama_eager_ddp", "ours", "llama", False, "ddp", 16, 180),
+    ("bare_gpt100m_eager_m64k", "bare", "gpt100m", False, "-", 30, 60, 65536),
+    ("ours_gpt100m_eager_exact_m64k", "ours", "gpt100m", False, "exact", 30, 90, 65536),
+    ("bare_gpt100m_compile_m64k", "bare", "gpt100m", True, "-", 30, 120, 65536),
+    ("ours_gpt100m_compile_exact_m64k", "ours", "gpt100m", True, "exact", 30, 150, 65536),
 ]
+
+
+def case_shapes(args: argparse.Namespace, case: dict) -> dict:
+    """The case's seq, micro-batch and step tokens: the device's shapes, its own micro-batch
+    (a CPU smoke scales it: the whole step)."""
+    shapes = dict(CPU_SHAPES if args.cpu_smoke else GPU_SHAPES)
+    if case.get("micro"):
+        shapes["micro"] = shapes["global"] if args.cpu_smoke else case["micro"]
+    return shapes
 
 
 def windows(steps: int) -> tuple[int, int, list[int]]:
@@ -152,7 +168,7 @@ def run_bare(args: argparse.Namespace, case: dict) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
         torch.set_num_threads(1)  # as a CPU worker does
-    shapes = CPU_SHAPES if args.cpu_smoke else GPU_SHAPES
+    shapes = case_shapes(args, case)
     seq, k = shapes["seq"], shapes["global"] // shapes["micro"]
     rows = shapes["micro"] // seq
     torch.manual_seed(0)
@@ -218,7 +234,7 @@ def run_ours(args: argparse.Namespace, case: dict) -> dict:
     from elastic_train.training.model import build_model, count_parameters, model_flops_per_token
 
     cuda = torch.cuda.is_available() and not args.cpu_smoke
-    shapes = CPU_SHAPES if args.cpu_smoke else GPU_SHAPES
+    shapes = case_shapes(args, case)
     seq = shapes["seq"]
     work = Path(args.work)
     mcfg = model_config(case["model"], case["shape"], work, seq)
@@ -272,6 +288,7 @@ def run_ours(args: argparse.Namespace, case: dict) -> dict:
         "breakdown_ms": breakdown, "padding_efficiency": summary.get("padding_efficiency"),
         "peak_allocated_bytes_per_param": peak / n if peak else None,
         "grad_reduce": summary.get("grad_reduce"), "precision": summary.get("precision"),
+        "micro_batch_tokens": shapes["micro"], "startup": summary.get("startup"),
         "profile": {k: v for k, v in profile.items() if k not in ("event", "time")},
     }
 
@@ -324,14 +341,18 @@ def emit(line: dict, out: Path) -> None:
             f.write(text + "\n")
 
 
-def pairs(results: dict[str, dict]) -> list[dict]:
-    """ours/bare tokens/s, per model and mode, for every ours case whose bare one ran."""
+def pairs(results: dict[str, tuple[dict, dict]]) -> list[dict]:
+    """ours/bare tokens/s for every ours case whose bare one (same model, compile and
+    micro-batch) ran: {name: (case, result)}."""
+    def key(case: dict) -> tuple:
+        return case["model"], case["compile"], case.get("micro")
+
+    bares = {key(c): r for c, r in results.values() if c["kind"] == "bare"}
     out = []
-    for name, r in results.items():
-        if not name.startswith("ours_") or "tokens_per_s" not in r:
+    for name, (case, r) in results.items():
+        if case["kind"] != "ours" or "tokens_per_s" not in r:
             continue
-        model, mode = name.split("_")[1:3]
-        bare = results.get(f"bare_{model}_{mode}", {})
+        bare = bares.get(key(case), {})
         if "tokens_per_s" in bare:
             out.append({"case": name, "ours_over_bare": r["tokens_per_s"] / bare["tokens_per_s"],
                         "mfu": r["mfu"], "bare_mfu": bare["mfu"]})
@@ -367,14 +388,18 @@ def main() -> None:
     most_steps = max(c[5] for c in CASES)
     args.data = str(write_data(Path(args.work) / "data", shapes["seq"],
                                2 * most_steps * shapes["global"] // shapes["seq"]))
-    chosen = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
+    by_name = {c[0]: c for c in CASES}
+    unknown = [n for n in args.cases.split(",") if n and n not in by_name]
+    if unknown:
+        parser.error(f"--cases: unknown {', '.join(unknown)} (known: {', '.join(by_name)})")
+    chosen = [by_name[n] for n in args.cases.split(",") if n] or list(CASES)
     if args.cpu_smoke and not args.cases:  # compile on CPU takes minutes: left out of the smoke
         chosen = [c for c in chosen if not c[3]]
     head = {"benchmark": "gpu", "device": name, "torch": torch.__version__, "cpu_smoke": args.cpu_smoke,
             "peak_flops": args.peak, "shapes": shapes, "time": time.time()}
     emit({**head, "event": "start", "cases": [c[0] for c in chosen]}, out)
-    results: dict[str, dict] = {}
-    for case_name, kind, model, compiled, reduce, steps, timeout_s in chosen:
+    results: dict[str, tuple[dict, dict]] = {}
+    for case_name, kind, model, compiled, reduce, steps, timeout_s, *micro in chosen:
         left = args.budget_s - (time.perf_counter() - started)
         if left < min(timeout_s, 45):
             emit({**head, "case": case_name, "skipped": f"budget: {left:.0f} s left"}, out)
@@ -382,12 +407,14 @@ def main() -> None:
         if args.cpu_smoke:
             steps = 8
         case = {"name": case_name, "kind": kind, "model": model, "compile": compiled,
-                "reduce": reduce, "steps": steps, "shape": models[model]}
+                "reduce": reduce, "steps": steps, "shape": models[model],
+                "micro": micro[0] if micro else None}
         t0 = time.perf_counter()
         result = run_case(args, case, min(timeout_s * (3 if args.cpu_smoke else 1), left))
-        results[case_name] = result
+        results[case_name] = (case, result)
         emit({**head, "case": case_name, "kind": kind, "model": model, "compile": compiled,
-              "grad_reduce": reduce, "steps": steps, "seconds": time.perf_counter() - t0, **result}, out)
+              "grad_reduce": reduce, "steps": steps, "micro_batch_tokens": case_shapes(args, case)["micro"],
+              "seconds": time.perf_counter() - t0, **result}, out)
     emit({**head, "event": "pairs", "pairs": pairs(results),
           "seconds": time.perf_counter() - started}, out)
 
