@@ -46,6 +46,24 @@ def test_a_checkpoint_in_place_is_pointed_to_once_whole_and_the_oldest_are_prune
         "checkpoint_000000030", "checkpoint_000000040"]
 
 
+def test_a_late_writer_of_an_earlier_step_leaves_the_pointer_and_the_later_checkpoint(tmp_path):
+    """A writer that finishes step 20 after another wrote step 30 (it was slowed down, or is no
+    longer the quorum's first): the pointer stays on 30, checkpoint 30 is kept (keep=1 would
+    have pruned it), and the late folder is removed; its write is not reported committed."""
+    fs = pafs.LocalFileSystem()
+    run = str(tmp_path)
+    checkpoints.write_in_place(_snap(10), fs, run, 10, keep=1, protected=lambda: None)
+    assert checkpoints.write_in_place(_snap(30), fs, run, 30, keep=1, protected=lambda: None)
+    assert checkpoints.write_in_place(_snap(20), fs, run, 20, keep=1, protected=lambda: None) is None
+    pointer = checkpoints.read_pointer(fs, run)
+    assert (pointer["checkpoint"], pointer["step"]) == ("checkpoint_000000030", 30)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == ["checkpoint_000000030"]
+    assert (tmp_path / "checkpoint_000000030" / MANIFEST).is_file()
+    # the same step again (a writer that died in it, replaced): written and pointed to as before
+    assert checkpoints.write_in_place(_snap(30), fs, run, 30, keep=1, protected=lambda: None)
+    assert checkpoints.read_pointer(fs, run)["step"] == 30
+
+
 def test_a_writer_killed_mid_write_leaves_the_pointer_on_the_one_before(tmp_path):
     """The real thing: a child process writes step 20 with crash_midway (it ends itself after
     the first file); the pointer still names step 10, complete."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import asdict, dataclass
 
 import ray
@@ -185,7 +186,7 @@ class BoundedFailurePolicy(DefaultFailurePolicy):
                            failure.cause)
         else:
             decision = super().make_decision(training_failed_error)
-        record = {**failure.record(), "repeats": self.repeats, "in_place": self.in_place,
+        record = {"time": time.time(), **failure.record(), "repeats": self.repeats, "in_place": self.in_place,
                   "decision": "give_up" if decision == FailureDecision.RAISE else "retry"}
         try:
             ray.get(self.runlog.record_failure.remote(record), timeout=RUNLOG_CALL_TIMEOUT_S)

@@ -48,7 +48,7 @@ class RunLog:
         self.attempts: list[dict] = self.folder.read_json("attempts.json", [])
         self.faults: dict[str, bool] = self.folder.read_json("faults.json", {})
         self.latest: dict[str, Any] | None = None
-        self._recent: list[tuple[int, float, float]] = []  # (step, real tokens, step seconds)
+        self._recent: list[tuple[int, int, float, float]] = []  # (attempt, step, real tokens, seconds)
         self.latest_eval: dict[str, Any] | None = None
         self.fatal: str | None = None
         self.checkpoint_request: str | None = None  # the reason of a request no rank 0 took yet
@@ -64,8 +64,13 @@ class RunLog:
         # at once: a group's second worker must not see the new token before the attempt exists
         # (it took index -1 and its records were counted as replays; seen under load).
         self._attempt_lock = threading.Lock()
+        # The latest step and its window, the checkpoint tickets and the faults claimed: each
+        # read, then changed, by calls that a threaded actor may run at once and out of the
+        # order their caller sent them (Ray keeps no order on a threaded actor).
+        self._state_lock = threading.Lock()
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
+        self._sync_lock = threading.Lock()  # one upload at a time (remote storage)
         # this driver's session: its first attempt resumes the run if an earlier driver's began one
         self.session, self.session_attempts = time.time(), 0
         self.failures: list[dict[str, Any]] = []  # every failure the failure policy saw (failures.py)
@@ -101,18 +106,21 @@ class RunLog:
         """The run is accepted (its first attempt begins): the staged files take their names, and
         an earlier run's tracked runs are reopened."""
         self.folder.accept()
-        if self.tracking and self.tracker is None:
+        if self.tracking and self.tracker is None and self.folder.accepted:  # not once discarded
             self.tracker = self._start_tracker(self.tracking)
 
     def settle(self) -> bool:
         """The fit is over: True if its files stay (the run was accepted, or the folder is a new
         run's, which keeps the record of its failure); False if it was an earlier run's folder
-        and the fit never began: the folder is as it was before, and nothing more is written."""
-        if self.folder.accepted or not self.folder.resuming:
-            self.accept()
-            return True
-        self.folder.discard()
-        return False
+        and the fit never began: the folder is as it was before, and nothing more is written.
+        Under the attempts' lock: a worker's late `begin_attempt` comes before (the run was
+        accepted) or after (it writes nothing), never between the check and the discard."""
+        with self._attempt_lock:
+            if self.folder.accepted or not self.folder.resuming:
+                self.accept()
+                return True
+            self.folder.discard()
+            return False
 
     def begin_group_attempt(self, token: str, world_size: int) -> int:
         """In-place recovery: every worker of a group start asks with the same token (inplace.py);
@@ -177,35 +185,50 @@ class RunLog:
         """A failure the failure policy saw (failures.py): the attempt it ended gets its `end`
         (cause, rank, node, the step it got to, the last committed step) in attempts.json, unless
         in place (a replacement joins the attempt), and the run's events get it."""
-        record = {"time": time.time(), **record}
+        record = {"time": time.time(), **record}  # the failure policy's time when it saw it
         if record.get("rank") is not None and not record.get("node"):
             record["node"] = self.rank_nodes.get(record["rank"])
         try:
             record["committed_step"] = committed_step(self.folder.fs, self.folder.remote_path)
         except Exception:  # a snapshot Ray is rewriting; the attempt's end says so
             record["committed_step"] = None
-        current = self.attempts[-1] if self.attempts else None
-        if (current is not None and current.get("session") == self.session and "end" not in current
-                and record["kind"] not in ("start", "start_timeout")):
-            record["attempt"] = current["attempt"]
-            latest = self.latest if self.latest and self.latest["attempt"] == current["attempt"] else None
-            record["step"] = latest["step"] if latest else None
-            if not record.get("in_place"):
-                self.end_attempt({k: record.get(k) for k in ("cause", "rank", "node", "step",
-                                                             "committed_step")})
+        with self._attempt_lock:
+            # the attempt that was running when the failure was seen: the last one begun before
+            # it (a call that came late, after the controller restarted the group anyway: its
+            # caller waits 5 s, finds the restart's attempt begun after it)
+            failed = next((a for a in reversed(self.attempts) if a["start_time"] <= record["time"]), None)
+            if (failed is not None and failed.get("session") == self.session and "end" not in failed
+                    and record["kind"] not in ("start", "start_timeout")):
+                record["attempt"] = failed["attempt"]
+                latest = self.latest if self.latest and self.latest["attempt"] == failed["attempt"] else None
+                record["step"] = latest["step"] if latest else None
+                if not record.get("in_place"):
+                    self._end_attempt({k: record.get(k) for k in ("cause", "rank", "node", "step",
+                                                                  "committed_step")}, failed)
         self.failures.append(record)
         self.log_event({"event": "failure", **record})
 
     def end_attempt(self, end: dict[str, Any]) -> None:
         """The current attempt ended (a failure, or the run's end: finished, stopped)."""
         with self._attempt_lock:
-            current = self.attempts[-1] if self.attempts else None
-            if current is not None and current.get("session") == self.session and "end" not in current:
-                current["end"] = {"time": time.time(), **end}
-                self.folder.write("attempts.json", json.dumps(self.attempts))
+            self._end_attempt(end)
+
+    def _end_attempt(self, end: dict[str, Any], attempt: dict[str, Any] | None = None) -> None:
+        """`end` into `attempt` (the current one by default) if it began in this session and has
+        none yet."""
+        current = attempt or (self.attempts[-1] if self.attempts else None)
+        if current is not None and current.get("session") == self.session and "end" not in current:
+            current["end"] = {"time": time.time(), **end}
+            self.folder.write("attempts.json", json.dumps(self.attempts))
 
     def log_step(self, record: dict[str, Any]) -> None:
-        self.latest = {**record, **self._window(record)}
+        """A step's record (rank 0's; in place, the first of each committed step's). `latest`
+        only moves forward in (attempt, step): a record that comes after a later one (the
+        threads take calls in no fixed order) is written, but does not set it back."""
+        with self._state_lock:
+            window = self._window(record)
+            if self.latest is None or _order(record) >= _order(self.latest):
+                self.latest = {**record, **window}
         self._log_metrics(record)
         self.metrics.on_step(record)
         if self.tracker is not None:
@@ -216,12 +239,14 @@ class RunLog:
         (the progress line's figure: one step's rate swings with whatever that step met)."""
         if "real_tokens" not in record or "step_time_s" not in record:
             return {}
-        if self._recent and self._recent[-1][0] >= record["step"]:
-            self._recent.clear()  # a restart went back to its checkpoint
-        self._recent.append((record["step"], record["real_tokens"], record["step_time_s"]))
-        del self._recent[:-WINDOW_STEPS]
-        seconds = sum(s for _, _, s in self._recent)
-        return {"window_tokens_per_s": sum(n for _, n, _ in self._recent) / seconds} if seconds > 0 else {}
+        attempt, step = _order(record)
+        if self._recent and self._recent[-1][0] != attempt:
+            self._recent.clear()  # a restart: its steps go back to its checkpoint
+        if not self._recent or step > self._recent[-1][1]:  # not one that came late
+            self._recent.append((attempt, step, record["real_tokens"], record["step_time_s"]))
+            del self._recent[:-WINDOW_STEPS]
+        seconds = sum(s for *_, s in self._recent)
+        return {"window_tokens_per_s": sum(n for _, _, n, _ in self._recent) / seconds} if seconds > 0 else {}
 
     def log_committed(self, record: dict[str, Any], line: dict[str, Any] | None) -> None:
         """In-place recovery: every participant of a committed step sends its record and, with
@@ -229,10 +254,7 @@ class RunLog:
         committed steps only go up), so a replica lost right after the step leaves no gap."""
         if not self._first("step", record):
             return
-        latest = self.latest
-        self.log_step(record)
-        if latest is not None and (latest["attempt"], latest["step"]) > (record["attempt"], record["step"]):
-            self.latest = latest  # a step's record taken after the next one's
+        self.log_step(record)  # a step's record taken after the next one's leaves `latest` as it is
         if line is not None:
             self.folder.append(f"consumed/attempt{record['attempt']:03d}-steps.jsonl", [json.dumps(line)])
 
@@ -304,31 +326,36 @@ class RunLog:
 
     def claim_fault(self, key: str) -> bool:
         """True the first time `key` is claimed in this run folder: a fault fires once."""
-        if self.faults.get(key):
-            return False
-        self.faults[key] = True
-        self.folder.write("faults.json", json.dumps(self.faults))
-        return True
+        with self._state_lock:
+            if self.faults.get(key):
+                return False
+            self.faults[key] = True
+            self.folder.write("faults.json", json.dumps(self.faults))
+            return True
 
     def request_checkpoint(self, reason: str) -> int:
         """A resize is coming: rank 0 checkpoints at its next step. Returns the request's ticket,
         done once rank 0 has committed a checkpoint it took the request for."""
-        self.checkpoint_request = reason
-        self.tickets["asked"] += 1
-        return self.tickets["asked"]
+        with self._state_lock:  # rank 0's take must not come between the request and its ticket
+            self.checkpoint_request = reason
+            self.tickets["asked"] += 1
+            return self.tickets["asked"]
 
     def take_checkpoint_request(self) -> str | None:
-        reason, self.checkpoint_request = self.checkpoint_request, None
-        if reason is not None:
-            self.tickets["taken"] = self.tickets["asked"]
-        return reason
+        with self._state_lock:
+            reason, self.checkpoint_request = self.checkpoint_request, None
+            if reason is not None:
+                self.tickets["taken"] = self.tickets["asked"]
+            return reason
 
     def checkpoint_done(self, step: int) -> None:
         """Rank 0 committed the requested checkpoint (of this step)."""
-        self.tickets["done"] = self.tickets["taken"]
+        with self._state_lock:
+            self.tickets["done"] = self.tickets["taken"]
 
     def checkpoint_request_done(self, ticket: int) -> bool:
-        return self.tickets["done"] >= ticket
+        with self._state_lock:
+            return self.tickets["done"] >= ticket
 
     def set_fatal(self, message: str) -> None:
         """A worker decided the run cannot go on (e.g. non-finite gradients after a rollback)."""
@@ -346,12 +373,34 @@ class RunLog:
         self.folder.write(name, text)
 
     def _maybe_sync(self) -> None:
-        if not self.folder.is_local and time.time() - self._last_sync > self.flush_interval_s:
-            self.flush()
+        """Upload the staging copy if the last upload began flush_interval_s ago and none is
+        running (the calls that come meanwhile do not start one each: every thread would be
+        uploading and the driver's and workers' calls would wait). A failed upload is a
+        warning: the step's other bookkeeping goes on, and the next one uploads it all."""
+        if self.folder.is_local or time.time() - self._last_sync <= self.flush_interval_s:
+            return
+        if not self._sync_lock.acquire(blocking=False):
+            return
+        try:
+            self._last_sync = time.time()
+            self.folder.sync()
+        except Exception as exc:  # noqa: BLE001 - the store's error, whatever its type
+            print(f"warning: uploading the run folder failed ({exc}); the next upload retries",
+                  file=sys.stderr, flush=True)
+            self.log_event({"event": "upload_failed", "error": str(exc)})
+        finally:
+            self._sync_lock.release()
 
     def flush(self) -> None:
-        self.folder.sync()
-        self._last_sync = time.time()
+        """Upload the staging copy now, after any upload running (the run's end: raises)."""
+        with self._sync_lock:
+            self.folder.sync()
+            self._last_sync = time.time()
+
+
+def _order(record: dict[str, Any]) -> tuple[int, int]:
+    """A step record's place in the run: attempts in order, steps in order within one."""
+    return record.get("attempt", 0), record["step"]
 
 
 @ray.remote(num_cpus=0, max_retries=0)

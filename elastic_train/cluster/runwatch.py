@@ -83,6 +83,9 @@ class RunWatch:
         self._last_wait_line = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="run-watch")
+        # stop()'s final poll and a poll of the thread still waiting on the RunLog (its join
+        # gives up after 5 s): one prints a failure's line, never both
+        self._poll_lock = threading.Lock()
 
     def start(self) -> RunWatch:
         self._fit_start = self.clock()
@@ -120,20 +123,21 @@ class RunWatch:
             state = ray.get(self.runlog.progress.remote(), timeout=RAY_CALL_TIMEOUT_S)
         except Exception:  # the RunLog is gone at the end
             return
-        now = self.clock()
-        attempts = [a for a in state["attempts"] if a["start_time"] >= self._fit_start]
-        failures = state.get("failures", [])
-        for i, failure in enumerate(failures):
-            if i in self.printed or failure["kind"] == "start_timeout":
-                continue
-            later = [a for a in attempts if a["start_time"] > failure["time"]]
-            if not (later or final or i < len(failures) - 1 or failure.get("decision") == "give_up"
-                    or failure.get("in_place") or now - failure["time"] > RESUME_LINE_WAIT_S):
-                break  # its line waits for the next attempt's size; the lines keep their order
-            self.printed.add(i)
-            self._print(failure_line(failure, later[0] if later else None, state.get("fatal")))
-        if not final:
-            self._watch_start(attempts, now, state.get("worker_started"))
+        with self._poll_lock:
+            now = self.clock()
+            attempts = [a for a in state["attempts"] if a["start_time"] >= self._fit_start]
+            failures = state.get("failures", [])
+            for i, failure in enumerate(failures):
+                if i in self.printed or failure["kind"] == "start_timeout":
+                    continue
+                later = [a for a in attempts if a["start_time"] > failure["time"]]
+                if not (later or final or i < len(failures) - 1 or failure.get("decision") == "give_up"
+                        or failure.get("in_place") or now - failure["time"] > RESUME_LINE_WAIT_S):
+                    break  # its line waits for the next attempt's size; the lines keep their order
+                self.printed.add(i)
+                self._print(failure_line(failure, later[0] if later else None, state.get("fatal")))
+            if not final and not self._stop.is_set():
+                self._watch_start(attempts, now, state.get("worker_started"))
 
     def _watch_start(self, attempts: list[dict], now: float, worker_started: float | None = None) -> None:
         """While no worker group runs: show the wait, end it after scaling.start_timeout_s. A

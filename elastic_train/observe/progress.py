@@ -108,6 +108,8 @@ class Progress:
         printed = -1
         while not self._stop.wait(self.interval_s):
             latest, attempts, eta = self._poll(runlog, history)
+            if self._stop.is_set():  # stopped while it polled: the run's end line is out
+                return
             if latest and latest["step"] // self.every_steps != printed:
                 printed = latest["step"] // self.every_steps
                 line = format_line(latest, attempts, self.max_steps, eta, self._latest_eval)

@@ -9,6 +9,7 @@ Events are flushed after every record, since the actor is killed at the end of a
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,15 @@ class TensorBoardWriter:
     def __init__(self, run_folder_local_path: str | Path) -> None:
         self.root = Path(run_folder_local_path) / "tensorboard"
         self._writers: dict[int, Any] = {}
+        self._lock = threading.Lock()  # the RunLog's threads: one writer an attempt, not one each
 
     def _writer(self, attempt: int):
-        if attempt not in self._writers:
-            from torch.utils.tensorboard import SummaryWriter  # torch loads only when asked for
+        with self._lock:
+            if attempt not in self._writers:
+                from torch.utils.tensorboard import SummaryWriter  # torch loads only when asked for
 
-            self._writers[attempt] = SummaryWriter(str(self.root / f"attempt_{attempt:03d}"))
-        return self._writers[attempt]
+                self._writers[attempt] = SummaryWriter(str(self.root / f"attempt_{attempt:03d}"))
+            return self._writers[attempt]
 
     def write(self, record: dict[str, Any]) -> None:
         writer = self._writer(int(record.get("attempt", 0)))

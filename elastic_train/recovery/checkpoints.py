@@ -54,10 +54,12 @@ def is_whole(fs: pafs.FileSystem, directory: str) -> bool:
 
 
 def write_in_place(snap: dict[str, Any], fs: pafs.FileSystem, run_path: str, step: int, keep: int,
-                   protected: Callable[[], str | None], crash_midway: bool = False) -> str:
+                   protected: Callable[[], str | None], crash_midway: bool = False) -> str | None:
     """Write `snap` (the whole state, one shard) as `checkpoint_<step>`, then point to it, then
     delete the oldest of those written in place beyond `keep` (never `protected()`'s: Ray's
-    latest). Returns the folder's name."""
+    latest). Returns the folder's name; None if the pointer names a later step by then (a
+    writer slowed down, or no longer the quorum's first, finished after another wrote a later
+    checkpoint): the pointer is left as it is, and the folder just written is removed."""
     name = dir_name(step)
     target = f"{run_path}/{name}"
     if isinstance(fs, pafs.LocalFileSystem):
@@ -69,6 +71,10 @@ def write_in_place(snap: dict[str, Any], fs: pafs.FileSystem, run_path: str, ste
             fs.create_dir(target, recursive=True)
             pafs.copy_files(local, target, destination_filesystem=fs)
     previous = read_pointer(fs, run_path)
+    if previous is not None and previous["step"] > step:
+        if name not in previous.get("written", []) and name != protected():
+            fs.delete_dir(target)
+        return None
     written = [n for n in (previous or {}).get("written", []) if n != name] + [name]
     dropped, written = written[:-max(keep, 1)], written[-max(keep, 1):]
     pointer = {"checkpoint": name, "step": step, "written": written}
@@ -103,9 +109,9 @@ class InPlaceCheckpointWriter:
         def write() -> None:
             t0 = time.perf_counter()
             try:
-                write_in_place(snap, self.fs, self.run_path, step, self.keep, self.protected,
-                               crash_midway=crash_midway)
-                committed(step, time.perf_counter() - t0)
+                if write_in_place(snap, self.fs, self.run_path, step, self.keep, self.protected,
+                                  crash_midway=crash_midway):
+                    committed(step, time.perf_counter() - t0)
             except BaseException as exc:  # noqa: BLE001 - raised again by wait(), in the loop
                 self._error = exc
 
