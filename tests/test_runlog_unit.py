@@ -148,3 +148,64 @@ def test_a_fault_is_claimed_once_by_callers_at_once(tmp_path):
     finally:
         sys.setswitchinterval(switch)
     assert len(json.loads((tmp_path / "run" / "faults.json").read_text())) == 400
+
+
+def metrics_lines(run) -> list[tuple]:
+    """metrics.jsonl's records in file order: ("step", n) or ("eval", n)."""
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [("eval" if "eval_loss" in r else "step", r["step"]) for r in records]
+
+
+def test_a_workers_records_are_written_in_the_order_it_sent_them(tmp_path):
+    """Rank 0's calls taken in another order than it sent them (step 2's and the evaluation's
+    before step 1's, as the actor's threads may): metrics.jsonl has them in the order sent."""
+    log = RunLogClass(str(tmp_path / "run"))
+    log.begin_attempt(2)
+    log.log_step(step_record(2), ("rank0", 1))
+    log.log_eval({"step": 2, "attempt": 0, "eval_loss": 0.5}, ("rank0", 2))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # held for step 1's
+    log.log_step(step_record(1), ("rank0", 0))
+    log.log_step(step_record(3), ("rank0", 3))
+    assert metrics_lines(tmp_path / "run") == [("step", 1), ("step", 2), ("eval", 2), ("step", 3)]
+    assert log.run_state()["latest"] == (0, 3) and log.latest_eval["step"] == 2
+
+
+def test_in_place_the_first_record_of_each_step_comes_in_step_order(tmp_path):
+    """In place, every replica sends each committed step; the first of each is kept. Replica a's
+    step 2 taken before anyone's step 1 waits for a's step 1, which by then is a duplicate of
+    b's: the file holds step 1, then step 2, each once, with their consumed-ids lines."""
+    log = RunLogClass(str(tmp_path / "run"))
+    log.begin_group_attempt("group", 2)
+
+    def committed(step, sender, number):
+        line = {"attempt": 0, "step": step, "epoch": 0, "participants": 2, "ids": [step]}
+        log.log_committed(step_record(step), line, (sender, number))
+
+    committed(2, "a", 1)
+    committed(1, "b", 0)
+    committed(1, "a", 0)
+    committed(2, "b", 1)
+    assert metrics_lines(tmp_path / "run") == [("step", 1), ("step", 2)]
+    consumed = (tmp_path / "run" / "consumed" / "attempt000-steps.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in consumed] == [1, 2]
+
+
+def test_a_record_whose_predecessor_never_comes_is_written_after_the_hold(tmp_path, monkeypatch):
+    """A call lost with its sender: the records after it wait HOLD_S at most (the driver's poll
+    takes them), and the lost one, should it come after all, is written then."""
+    import elastic_train.cluster.runlog as runlog_module
+
+    monkeypatch.setattr(runlog_module, "HOLD_S", 0.2)
+    log = RunLogClass(str(tmp_path / "run"))
+    log.begin_attempt(1)
+    log.log_step(step_record(2), ("rank0", 1))
+    log.log_step(step_record(3), ("rank0", 2))
+    log.progress()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    time.sleep(0.25)
+    log.progress()  # the driver's poll
+    assert metrics_lines(tmp_path / "run") == [("step", 2), ("step", 3)]
+    log.log_step(step_record(1), ("rank0", 0))
+    log.log_step(step_record(4), ("rank0", 3))
+    assert metrics_lines(tmp_path / "run") == [("step", 2), ("step", 3), ("step", 1), ("step", 4)]
+    assert log.run_state()["latest"] == (0, 4)

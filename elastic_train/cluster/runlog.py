@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from elastic_train.observe.tracking import Tracker, build_backends
 from elastic_train.recovery.fence import end_process
 
 WINDOW_STEPS = 10  # steps in the progress line's tokens/s
+HOLD_S = 5.0  # the longest a sender's record waits for the one it sent before (`_in_order`)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -71,6 +73,11 @@ class RunLog:
         self.flush_interval_s = flush_interval_s
         self._last_sync = time.time()
         self._sync_lock = threading.Lock()  # one upload at a time (remote storage)
+        # The records a worker sends (steps, committed steps, evaluations) are taken in the order
+        # it sent them (`_in_order`): sender -> the next number, and those that came before it.
+        self._order_lock = threading.Lock()
+        self._next: dict[str, int] = {}
+        self._held: dict[str, dict[int, tuple[float, Callable[[], None]]]] = {}
         # this driver's session: its first attempt resumes the run if an earlier driver's began one
         self.session, self.session_attempts = time.time(), 0
         self.failures: list[dict[str, Any]] = []  # every failure the failure policy saw (failures.py)
@@ -221,10 +228,15 @@ class RunLog:
             current["end"] = {"time": time.time(), **end}
             self.folder.write("attempts.json", json.dumps(self.attempts))
 
-    def log_step(self, record: dict[str, Any]) -> None:
+    def log_step(self, record: dict[str, Any], order: tuple[str, int] | None = None) -> None:
+        """Rank 0's record of a step; `order`: (sender, number), see `_in_order`."""
+        self._in_order(order, lambda: self._log_step(record))
+        self._maybe_sync()
+
+    def _log_step(self, record: dict[str, Any]) -> None:
         """A step's record (rank 0's; in place, the first of each committed step's). `latest`
-        only moves forward in (attempt, step): a record that comes after a later one (the
-        threads take calls in no fixed order) is written, but does not set it back."""
+        only moves forward in (attempt, step): a record that comes after a later one (from
+        another replica, in place) is written, but does not set it back."""
         with self._state_lock:
             window = self._window(record)
             if self.latest is None or _order(record) >= _order(self.latest):
@@ -248,25 +260,81 @@ class RunLog:
         seconds = sum(s for *_, s in self._recent)
         return {"window_tokens_per_s": sum(n for _, _, n, _ in self._recent) / seconds} if seconds > 0 else {}
 
-    def log_committed(self, record: dict[str, Any], line: dict[str, Any] | None) -> None:
+    def log_committed(self, record: dict[str, Any], line: dict[str, Any] | None,
+                      order: tuple[str, int] | None = None) -> None:
         """In-place recovery: every participant of a committed step sends its record and, with
         data.record_ids, a line of all its sample ids; the first is kept (within an attempt the
-        committed steps only go up), so a replica lost right after the step leaves no gap."""
-        if not self._first("step", record):
-            return
-        self.log_step(record)  # a step's record taken after the next one's leaves `latest` as it is
-        if line is not None:
-            self.folder.append(f"consumed/attempt{record['attempt']:03d}-steps.jsonl", [json.dumps(line)])
+        committed steps only go up), so a replica lost right after the step leaves no gap. Each
+        replica's records are taken in the order it sent them: every replica commits the steps
+        in order, so the first record of step s+1 comes after the first of step s."""
+        def take() -> None:
+            if not self._first("step", record):
+                return
+            self._log_step(record)
+            if line is not None:
+                self.folder.append(f"consumed/attempt{record['attempt']:03d}-steps.jsonl",
+                                   [json.dumps(line)])
 
-    def log_eval(self, record: dict[str, Any]) -> None:
+        self._in_order(order, take)
+        self._maybe_sync()
+
+    def log_eval(self, record: dict[str, Any], order: tuple[str, int] | None = None) -> None:
         """An evaluation's record: in metrics.jsonl too, told apart by its `eval_loss`. In place,
         every replica sends it: the first of each (attempt, step) is kept."""
-        if not self._first("eval", record):
+        def take() -> None:
+            if not self._first("eval", record):
+                return
+            self.latest_eval = record
+            self._log_metrics(record)
+            if self.tracker is not None:
+                self.tracker.add("eval", record)
+
+        self._in_order(order, take)
+        self._maybe_sync()
+
+    def _in_order(self, order: tuple[str, int] | None, take: Callable[[], None]) -> None:
+        """Take a record (`take`: its writes) in the order its sender sent it. Ray runs a
+        threaded actor's calls on several threads and keeps no order between them, even between
+        two calls of one caller: step 2's record was written to metrics.jsonl before step 1's
+        (seen under load). A worker numbers what it sends, (sender, 0), (sender, 1), ...; one
+        that comes before its predecessor waits here, and is taken right after it. A number
+        that never comes (a call lost with its sender's process: nothing later is sent then)
+        holds the rest HOLD_S at most. `order` None: at once."""
+        if order is None:
+            take()
             return
-        self.latest_eval = record
-        self._log_metrics(record)
-        if self.tracker is not None:
-            self.tracker.add("eval", record)
+        sender, number = order
+        with self._order_lock:
+            if number < self._next.get(sender, 0):  # it came after the wait for it gave up
+                take()
+                return
+            self._held.setdefault(sender, {})[number] = (time.monotonic(), take)
+            self._take_held(sender)
+
+    def _take_held(self, sender: str, waited_s: float | None = None) -> None:
+        """Take `sender`'s held records that are next in its order; past one that has not come
+        while the oldest held waited `waited_s` (HOLD_S). Under `_order_lock`."""
+        waited_s = HOLD_S if waited_s is None else waited_s
+        held = self._held[sender]
+        expected = self._next.get(sender, 0)
+        if expected not in held and time.monotonic() - min(t for t, _ in held.values()) >= waited_s:
+            expected = min(held)  # give up on the lost one
+        while expected in held:
+            held.pop(expected)[1]()
+            expected += 1
+        self._next[sender] = expected
+        if not held:
+            del self._held[sender]
+
+    def _take_all_held(self, waited_s: float | None = None) -> None:
+        """Every sender's held records that waited `waited_s` (HOLD_S; 0: all, in order)."""
+        with self._order_lock:
+            for sender in list(self._held):
+                while sender in self._held:
+                    before = len(self._held[sender])
+                    self._take_held(sender, waited_s)
+                    if sender in self._held and len(self._held[sender]) == before:
+                        break  # still waiting for its next one
 
     def _start_tracker(self, settings: dict[str, Any]) -> Tracker:
         """MLflow / W&B (observe/tracking.py), fed from here: the one place that sees every record."""
@@ -311,7 +379,6 @@ class RunLog:
         self.folder.append("metrics.jsonl", [json.dumps(record)])
         if self.tb is not None:
             self.tb.write(record)
-        self._maybe_sync()
 
     def log_consumed(self, world_rank: int, attempt: int, lines: list[dict[str, Any]]) -> None:
         self.folder.append(f"consumed/attempt{attempt:03d}-rank{world_rank:03d}.jsonl",
@@ -363,6 +430,8 @@ class RunLog:
         self.log_event({"event": "fatal", "message": message})
 
     def progress(self) -> dict[str, Any]:
+        """The driver's poll (every second or so): also takes records held past HOLD_S."""
+        self._take_all_held()
         return {"latest": self.latest, "latest_eval": self.latest_eval, "attempts": self.attempts,
                 "fatal": self.fatal, "failures": self.failures, "worker_started": self.worker_started}
 
@@ -392,7 +461,9 @@ class RunLog:
             self._sync_lock.release()
 
     def flush(self) -> None:
-        """Upload the staging copy now, after any upload running (the run's end: raises)."""
+        """Take the records still held (`_in_order`), then upload the staging copy now, after
+        any upload running (the run's end: raises)."""
+        self._take_all_held(waited_s=0)
         with self._sync_lock:
             self.folder.sync()
             self._last_sync = time.time()

@@ -9,10 +9,12 @@ actor); and, mixed in from their own modules, checkpoints asked for ahead of a r
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import tempfile
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -80,6 +82,9 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
         self.fault = fault  # test hooks
         self.record_ids = record_ids  # data.record_ids: log each step's sample ids
         self.runlog = runlog
+        # the records this worker sends, numbered: the RunLog takes them in this order (its
+        # threads would not: runlog.py `_in_order`)
+        self._sender, self._sent = f"{os.getpid()}-{uuid.uuid4().hex[:8]}", itertools.count()
         self.block_table = block_table  # the data set's blocks; the loop reads its partitions'
         self.eval_table = eval_table  # the held-out blocks (None: no evaluation)
         self.startup = dict(startup or {})  # the loop adds its phases, rank 0 logs them
@@ -282,8 +287,11 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
         self.attempt = _broadcast_from_rank0(attempt)
         return self.attempt
 
+    def _order(self) -> tuple[str, int]:
+        return self._sender, next(self._sent)
+
     def log_step(self, record: dict[str, Any]) -> None:
-        self.runlog.log_step.remote(record)
+        self.runlog.log_step.remote(record, self._order())
 
     def _wait_for_group(self) -> None:
         """In place: the workers of a group start meet before their first quorum, or the first
@@ -324,7 +332,7 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
         if ids is not None:
             line = {"attempt": record["attempt"], "step": record["step"], "epoch": record["epoch"],
                     "participants": record["world_size"], "ids": ids}
-        self.runlog.log_committed.remote(record, line)
+        self.runlog.log_committed.remote(record, line, self._order())
 
     def fence(self, world_rank: int, pid: int, missing_s: float) -> None:
         self.runlog.fence.remote(world_rank, pid, missing_s)
@@ -353,7 +361,7 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
             os._exit(1)  # the main thread may be blocked for good: only ending the process is sure
 
     def log_eval(self, record: dict[str, Any]) -> None:
-        self.runlog.log_eval.remote(record)
+        self.runlog.log_eval.remote(record, self._order())
 
     def best_writer(self) -> BestCheckpointWriter:
         return BestCheckpointWriter(*raycompat.worker_run_folder())
