@@ -318,6 +318,8 @@ class RunLog:
         held = self._held[sender]
         expected = self._next.get(sender, 0)
         if expected not in held and time.monotonic() - min(t for t, _ in held.values()) >= waited_s:
+            self.log_event({"event": "record_order_gap", "sender": sender,
+                            "missing": list(range(expected, min(held)))})
             expected = min(held)  # give up on the lost one
         while expected in held:
             held.pop(expected)[1]()
