@@ -239,7 +239,7 @@ class RunLog:
         another replica, in place) is written, but does not set it back."""
         with self._state_lock:
             window = self._window(record)
-            if self.latest is None or _order(record) >= _order(self.latest):
+            if self.latest is None or _place(record) >= _place(self.latest):
                 self.latest = {**record, **window}
         self._log_metrics(record)
         self.metrics.on_step(record)
@@ -251,7 +251,7 @@ class RunLog:
         (the progress line's figure: one step's rate swings with whatever that step met)."""
         if "real_tokens" not in record or "step_time_s" not in record:
             return {}
-        attempt, step = _order(record)
+        attempt, step = _place(record)
         if self._recent and self._recent[-1][0] != attempt:
             self._recent.clear()  # a restart: its steps go back to its checkpoint
         if not self._recent or step > self._recent[-1][1]:  # not one that came late
@@ -312,18 +312,21 @@ class RunLog:
             self._take_held(sender)
 
     def _take_held(self, sender: str, waited_s: float | None = None) -> None:
-        """Take `sender`'s held records that are next in its order; past one that has not come
-        while the oldest held waited `waited_s` (HOLD_S). Under `_order_lock`."""
+        """Take `sender`'s held records that are next in its order, and past each one that has
+        not come while the oldest held waited `waited_s` (HOLD_S; 0: all). Under `_order_lock`."""
         waited_s = HOLD_S if waited_s is None else waited_s
         held = self._held[sender]
         expected = self._next.get(sender, 0)
-        if expected not in held and time.monotonic() - min(t for t, _ in held.values()) >= waited_s:
-            self.log_event({"event": "record_order_gap", "sender": sender,
-                            "missing": list(range(expected, min(held)))})
-            expected = min(held)  # give up on the lost one
-        while expected in held:
-            held.pop(expected)[1]()
-            expected += 1
+        while held:
+            if expected not in held:
+                if time.monotonic() - min(t for t, _ in held.values()) < waited_s:
+                    break
+                self.log_event({"event": "record_order_gap", "sender": sender,
+                                "missing": list(range(expected, min(held)))})
+                expected = min(held)  # give up on the lost one
+            while expected in held:
+                held.pop(expected)[1]()
+                expected += 1
         self._next[sender] = expected
         if not held:
             del self._held[sender]
@@ -332,11 +335,7 @@ class RunLog:
         """Every sender's held records that waited `waited_s` (HOLD_S; 0: all, in order)."""
         with self._order_lock:
             for sender in list(self._held):
-                while sender in self._held:
-                    before = len(self._held[sender])
-                    self._take_held(sender, waited_s)
-                    if sender in self._held and len(self._held[sender]) == before:
-                        break  # still waiting for its next one
+                self._take_held(sender, waited_s)
 
     def _start_tracker(self, settings: dict[str, Any]) -> Tracker:
         """MLflow / W&B (observe/tracking.py), fed from here: the one place that sees every record."""
@@ -471,7 +470,7 @@ class RunLog:
             self._last_sync = time.time()
 
 
-def _order(record: dict[str, Any]) -> tuple[int, int]:
+def _place(record: dict[str, Any]) -> tuple[int, int]:
     """A step record's place in the run: attempts in order, steps in order within one."""
     return record.get("attempt", 0), record["step"]
 
