@@ -178,6 +178,18 @@ def test_lora_on_the_embedded_gpt_trains_its_linear_targets():
                                        if p.requires_grad} | {BASE_KEY}
 
 
+def test_no_targets_on_a_model_peft_has_no_default_for_names_the_layers_it_could_adapt():
+    """The embedded GPT is no transformers model type: with target_modules empty the error
+    lists its Linear layers by the names target_modules takes, and those names work."""
+    with pytest.raises(ValueError, match=r"model\.lora\.target_modules is empty.*Linear layers: "
+                       r"qkv, proj, mlp\.0, mlp\.2, lm_head\)$"):
+        build_model(load_config(None, ["model.lora.r=2"]).model, 32)
+    cfg = load_config(None, ["model.lora.r=2", "model.lora.target_modules=[mlp.0, mlp.2]"])
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in build_model(cfg.model, 32).named_parameters()
+               if ".lora_A." in n}
+    assert adapted and all(n.endswith(("mlp.0", "mlp.2")) for n in adapted)
+
+
 def test_a_resume_on_another_base_is_refused_before_ray_and_changes_nothing(
         weights_folder, tmp_path, monkeypatch, capsys):
     """A finished LoRA run (a checkpoint of adapters on base `one`, summary.json "finished")

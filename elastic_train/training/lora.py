@@ -148,7 +148,15 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> LoraModel:
     try:
         wrapped = peft.get_peft_model(model, settings, autocast_adapter_dtype=True)
     except ValueError as exc:
-        raise ValueError(f"model.lora.target_modules: {' '.join(str(exc).split())[:300]}") from None
+        if lora.target_modules:
+            raise ValueError(f"model.lora.target_modules: {' '.join(str(exc).split())[:300]}") \
+                from None
+        names = linear_names(model)
+        raise ValueError(
+            "model.lora.target_modules is empty and peft has no default for this model (it has "
+            "defaults for the transformers model types it knows): name the modules to adapt, "
+            f"e.g. model.lora.target_modules='[{', '.join(names[:2])}]' (this model's Linear "
+            f"layers: {', '.join(names)})") from None
     for _, p in wrapped.named_parameters():  # adapters in fp32 whatever the base's dtype
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
@@ -156,6 +164,19 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> LoraModel:
     # GPT and a user's module take the tokens as their one positional argument
     transformers_call = callable(getattr(model, "prepare_inputs_for_generation", None))
     return LoraModel(wrapped, digest, transformers_call)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The names `target_modules` can give this model's Linear layers, in model order, each
+    once: the last component of each Linear's name, or the last two where the last is a number
+    (`mlp.0`)."""
+    names: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            parts = name.split(".")
+            short = ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]
+            names.extend([] if short in names else [short])
+    return names
 
 
 def lora_values_source(model: LoraModel) -> str | None:
