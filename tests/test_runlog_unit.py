@@ -209,3 +209,53 @@ def test_a_record_whose_predecessor_never_comes_is_written_after_the_hold(tmp_pa
     log.log_step(step_record(4), ("rank0", 3))
     assert metrics_lines(tmp_path / "run") == [("step", 2), ("step", 3), ("step", 1), ("step", 4)]
     assert log.run_state()["latest"] == (0, 4)
+
+
+
+def test_a_remote_resume_uploads_only_its_own_files_not_the_workers_it_found(monkeypatch):
+    """A resume on remote storage: the RunLog's staging copy is taken when the fit begins and
+    uploaded every few seconds, so it must leave alone what the workers write. In the store: a
+    best checkpoint (step 40) with its pointer, an in-place pointer, a compile cache; then the
+    workers write a better best (step 80: commit_best deletes step 40's folder), a new in-place
+    pointer and cache. After the RunLog's uploads each is the workers' latest, step 40's best
+    folder stays gone, and the RunLog's own files carry both fits' lines."""
+    import pyarrow.fs as pafs
+
+    from elastic_train.observe import runfolder
+    from elastic_train.recovery.checkpoints import POINTER, read_pointer
+    from elastic_train.training.checkpoint import MANIFEST, commit_best, read_best_pointer
+    from elastic_train.training.compile import CACHE_SUBFOLDER
+
+    store, run = pafs.FileSystem.from_uri("mock:///runs/r")  # one store for driver and workers
+    monkeypatch.setattr(runfolder, "split_uri", lambda uri: (store, run, False))
+
+    def put(name: str, text: str) -> None:
+        store.create_dir(f"{run}/{name}".rsplit("/", 1)[0], recursive=True)
+        with store.open_output_stream(f"{run}/{name}") as f:
+            f.write(text.encode())
+
+    def get(name: str) -> str:
+        with store.open_input_stream(f"{run}/{name}") as f:
+            return f.read().decode()
+
+    put("config.yaml", "run: {}\n")  # the first fit's files
+    put("metrics.jsonl", json.dumps(step_record(40)) + "\n")
+    put(f"best_checkpoint_000000040/{MANIFEST}", "{}")
+    commit_best(store, run, 40, 2.0)
+    put(POINTER, json.dumps({"checkpoint": "checkpoint_000000040", "step": 40, "written": []}))
+    put(f"{CACHE_SUBFOLDER}/torch-x/rank-0.bin", "first fit")
+
+    log = RunLogClass("mock:///runs/r", flush_interval_s=0.0)  # the resume's RunLog
+    log.begin_attempt(2)
+    put(f"best_checkpoint_000000080/{MANIFEST}", "{}")  # the workers, meanwhile
+    commit_best(store, run, 80, 1.0)
+    put(POINTER, json.dumps({"checkpoint": "checkpoint_000000080", "step": 80, "written": []}))
+    put(f"{CACHE_SUBFOLDER}/torch-x/rank-0.bin", "second fit")
+    log.log_step(step_record(81))
+    log.flush()
+
+    assert read_best_pointer(store, run)["step"] == 80
+    assert store.get_file_info(f"{run}/best_checkpoint_000000040").type == pafs.FileType.NotFound
+    assert read_pointer(store, run)["step"] == 80
+    assert get(f"{CACHE_SUBFOLDER}/torch-x/rank-0.bin") == "second fit"
+    assert [json.loads(x)["step"] for x in get("metrics.jsonl").splitlines()] == [40, 81]

@@ -25,6 +25,12 @@ import pyarrow.fs as pafs
 from elastic_train.config import Config, check_run_name
 
 PENDING = ".pending"  # a staged file's suffix until the run is accepted
+# What the workers write straight into the run folder, never through the RunLog: Ray's and the
+# in-place checkpoints (and Ray's checkpoint_manager_snapshot.json), the best checkpoint and its
+# pointer, the in-place pointer, the compile cache. A remote run's staging copy neither downloads
+# nor uploads them: uploaded every few seconds, a copy taken when the fit began would put back
+# pointers and folders the workers have replaced or deleted since.
+WORKER_OWNED = ("checkpoint", "best_checkpoint", "in_place_checkpoint", "compile_cache")
 CONFIG_FILE = "config.yaml"  # the accepted resolved config: its presence marks an earlier run
 
 
@@ -43,6 +49,11 @@ def split_uri(path: str) -> tuple[pafs.FileSystem, str, bool]:
         fs, fs_path = pafs.FileSystem.from_uri(path)
         return fs, fs_path, isinstance(fs, pafs.LocalFileSystem)
     return pafs.LocalFileSystem(), os.path.abspath(path), True
+
+
+def worker_owned(name: str) -> bool:
+    """Whether `name` (a path in the run folder) is written by the workers (`WORKER_OWNED`)."""
+    return name.split("/", 1)[0].startswith(WORKER_OWNED)
 
 
 class RunFolder:
@@ -71,7 +82,7 @@ class RunFolder:
         selector = pafs.FileSelector(self.remote_path, allow_not_found=True, recursive=True)
         for info in self.fs.get_file_info(selector):
             rel = os.path.relpath(info.path, self.remote_path)
-            if info.type == pafs.FileType.File and not rel.startswith("checkpoint"):
+            if info.type == pafs.FileType.File and not worker_owned(rel):
                 dest = self.local / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 with self.fs.open_input_stream(info.path) as src:
