@@ -47,6 +47,7 @@ from elastic_train.observe.summary import build_summary
 from elastic_train.preflight.finished import finished_message, finished_run
 from elastic_train.preflight.inputs import check_inputs, data_tables, run_horizon
 from elastic_train.preflight.packages import check_packages
+from elastic_train.preflight.runlock import RunLock
 from elastic_train.preflight.tracking import check_tracking
 from elastic_train.training.losses import LossFn
 from elastic_train.training.model import ModelFn
@@ -94,6 +95,14 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
     check_packages(cfg)  # first: the model check below would import them
     check_tracking(cfg)
     info = check_inputs(cfg, model_fn)
+    with RunLock(cfg):  # one run at a time in a run folder: a second one is refused here
+        return _train(cfg, model_fn, loss_fn, progress, verbose, startup, info)
+
+
+def _train(cfg: Config, model_fn: ModelFn | None, loss_fn: LossFn | None,
+           progress: Progress | bool, verbose: bool, startup: dict[str, float],
+           info: DatasetInfo) -> TrainResult:
+    """`train`, its inputs checked and the run folder held."""
     done = finished_run(cfg)
     if done is not None:
         note = finished_message(cfg, done)

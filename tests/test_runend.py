@@ -66,6 +66,32 @@ def test_a_cluster_without_room_fails_at_once_naming_the_shortfall(ray_cluster, 
     assert not (tmp_path / "big").exists()
 
 
+def test_a_run_folder_another_driver_runs_on_this_cluster_is_refused(ray_cluster, small_dataset,
+                                                                     tmp_path, capsys, monkeypatch):
+    """A remote store has no file locks: there the RunLog actor, named after the run folder,
+    is what a second driver of the folder on the same cluster meets. Another driver's RunLog
+    of the folder is alive: this run is one error naming the folder, and writes nothing."""
+    import ray
+
+    from elastic_train.cluster import driver
+
+    overrides = [*TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
+                 "run.name=twice"]
+    monkeypatch.setattr(driver, "RUNLOG_NAME_WAIT_S", 1.0)
+    first = driver.start_runlog(load_config(None, overrides))  # the other driver's
+    try:
+        ray.get(first.run_state.remote())
+        code = main(["train", *overrides])
+    finally:
+        ray.kill(first)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0] == (f"error: run folder {tmp_path}/twice is in use by another run on this "
+                         "Ray cluster (its RunLog actor is alive): wait for it to end or stop it, "
+                         "or give this one another run.name")
+    assert sorted(p.name for p in (tmp_path / "twice").iterdir()) == []  # the other's RunLog made it
+
+
 def fails_on_workers(vocab_size: int, max_seq_len: int, **kwargs):
     """A model that builds on the driver (its checks pass) and fails on every worker, the same
     way every time: what an import error on the workers looks like to Ray Train."""

@@ -5,6 +5,7 @@ bound on repeated failures, a finished run left alone) is tests/test_runend.py."
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -248,3 +249,41 @@ def test_in_place_steps_trained_again_after_the_last_replica_was_lost_count_as_r
                "time": 130.0}]
     assert retrained_in_place(records, events) == 2
     assert retrained_in_place(records, events[2:]) == 0
+
+
+def test_a_second_run_in_a_held_run_folder_is_one_error_naming_the_first(tmp_path, capsys):
+    """Another driver holds the run folder (here: a process of its own that takes the lock and
+    waits): `elastic-train train` of the same folder is refused before Ray starts, with one
+    line naming the holder's pid, and writes nothing; once that driver is killed (SIGKILL: no
+    chance to clean up) the folder is free at once."""
+    import signal
+    import subprocess
+
+    from elastic_train.preflight.runlock import RunLock
+
+    overrides = [f"run.storage_path={tmp_path}", "run.name=shared"]
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from elastic_train import load_config\n"
+         "from elastic_train.preflight.runlock import RunLock\n"
+         f"with RunLock(load_config(None, {overrides!r})):\n"
+         "    print('held', flush=True); time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code = main(["train", *overrides])
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert code == 2 and len(errors) == 1, errors
+        assert re.fullmatch(rf"error: run folder {re.escape(str(tmp_path))}/shared is in use by "
+                            rf"another run \(pid {holder.pid} on \S+, started [0-9: -]+\): wait "
+                            r"for it to end or stop it, or give this one another run\.name",
+                            errors[0]), errors[0]
+        assert not (tmp_path / "shared").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with RunLock(load_config(None, overrides)):  # a killed holder leaves no stale lock
+        with pytest.raises(ConfigError, match=rf"pid {os.getpid()} on"):
+            with RunLock(load_config(None, overrides)):  # two in one process: refused as well
+                pass

@@ -29,7 +29,7 @@ from elastic_train.cluster.nodewatch import (
 )
 from elastic_train.cluster.runlog import RunLog
 from elastic_train.cluster.worker import train_worker
-from elastic_train.config import Config, config_changes
+from elastic_train.config import Config, ConfigError, config_changes
 from elastic_train.data.dataset import DatasetInfo, extra_columns, inspect_dataset
 from elastic_train.data.prepare import default_corpus_dir
 from elastic_train.observe.runfolder import CONFIG_FILE, run_uri
@@ -277,11 +277,31 @@ class Trainer(TorchTrainer):
         self.controller = controller
 
 
+RUNLOG_NAMESPACE = "elastic_train"  # the RunLog actors' names: "runlog:<run folder>"
+RUNLOG_NAME_WAIT_S = 10.0  # for the name of a RunLog just killed (a run before this one)
+
+
 def start_runlog(cfg: Config):
+    """The run's RunLog actor, on this node, named after the run folder on the cluster: a
+    second run of the same folder on this cluster (a remote store has no file locks:
+    preflight/runlock.py) is refused, naming it. The name of a run's RunLog is freed when the
+    run ends or its driver dies; one just killed is waited for RUNLOG_NAME_WAIT_S."""
     node_id = ray.get_runtime_context().get_node_id()
-    return RunLog.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-    ).remote(run_uri(cfg), tensorboard=cfg.log.tensorboard, tracking=tracking_settings(cfg))
+    name, deadline = f"runlog:{run_uri(cfg)}", time.monotonic() + RUNLOG_NAME_WAIT_S
+    while True:
+        try:
+            return RunLog.options(
+                name=name, namespace=RUNLOG_NAMESPACE,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(run_uri(cfg), tensorboard=cfg.log.tensorboard,
+                     tracking=tracking_settings(cfg))
+        except ValueError:  # the name is taken
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"run folder {run_uri(cfg)} is in use by another run on this Ray cluster "
+                    "(its RunLog actor is alive): wait for it to end or stop it, or give this "
+                    "one another run.name") from None
+            time.sleep(0.5)
 
 
 def tracking_settings(cfg: Config) -> dict[str, Any] | None:
