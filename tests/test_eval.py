@@ -196,6 +196,41 @@ def test_the_best_checkpoint_replaces_the_one_before_and_a_half_written_one_is_n
 
 
 @pytest.mark.unit
+def test_a_step_trained_again_never_writes_into_the_best_folder_the_pointer_names(tmp_path, monkeypatch):
+    """After a restart the steps since the restored checkpoint are trained again and their
+    evaluations are bests again. Step 4's best trained again to the same loss (to the bit) is
+    kept as it was; to another loss (a changed config, a reduction not exact) it goes to a new
+    folder, and a crash before the pointer moves leaves the pointer naming the old, whole one."""
+    from elastic_train.training import checkpoint
+
+    torch.manual_seed(0)
+    snap = {"model": build_model(MODEL, 128).state_dict(), "optimizer": {}, "extra": {},
+            "state": {"format_version": 1, "train_state": {"step": 4}, "model_signature": {}}}
+    fs, run = pafs.LocalFileSystem(), str(tmp_path)
+    manifest = tmp_path / "best_checkpoint_000000004" / "manifest.json"
+    assert write_best(snap, fs, run, 4, 3.0) == "best_checkpoint_000000004"
+    written = manifest.stat().st_mtime_ns
+    assert write_best(snap, fs, run, 4, 3.0) == "best_checkpoint_000000004"  # the same, again
+    assert manifest.stat().st_mtime_ns == written
+
+    def crash(*args):
+        raise OSError("the node died")
+
+    monkeypatch.setattr(checkpoint, "commit_best", crash)
+    with pytest.raises(OSError):
+        write_best(snap, fs, run, 4, 2.9)
+    assert read_best_pointer(fs, run)["eval_loss"] == 3.0 and default_checkpoint(tmp_path) == manifest.parent
+    assert manifest.stat().st_mtime_ns == written
+    monkeypatch.undo()
+    assert write_best(snap, fs, run, 4, 2.9) == "best_checkpoint_000000004.1"
+    assert write_best(snap, fs, run, 4, 2.8) == "best_checkpoint_000000004.2"
+    assert read_best_pointer(fs, run) == {"checkpoint": "best_checkpoint_000000004.2", "step": 4,
+                                         "eval_loss": 2.8}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [BEST_POINTER, "best_checkpoint_000000004.2"]
+    assert default_checkpoint(tmp_path).name == "best_checkpoint_000000004.2"
+
+
+@pytest.mark.unit
 def test_a_local_run_keeps_its_best_evaluation_and_export_loads_it(held_out_dataset, tmp_path):
     cfg = load_config(None, [*EVAL, f"data.path={held_out_dataset}", "eval.every_steps=4",
                              "train.max_steps=9", "checkpoint.keep_best=true", "eval.max_batches=2"])

@@ -241,14 +241,14 @@ def test_a_remote_resume_uploads_only_its_own_files_not_the_workers_it_found(mon
     put("config.yaml", "run: {}\n")  # the first fit's files
     put("metrics.jsonl", json.dumps(step_record(40)) + "\n")
     put(f"best_checkpoint_000000040/{MANIFEST}", "{}")
-    commit_best(store, run, 40, 2.0)
+    commit_best(store, run, "best_checkpoint_000000040", 40, 2.0)
     put(POINTER, json.dumps({"checkpoint": "checkpoint_000000040", "step": 40, "written": []}))
     put(f"{CACHE_SUBFOLDER}/torch-x/rank-0.bin", "first fit")
 
     log = RunLogClass("mock:///runs/r", flush_interval_s=0.0)  # the resume's RunLog
     log.begin_attempt(2)
     put(f"best_checkpoint_000000080/{MANIFEST}", "{}")  # the workers, meanwhile
-    commit_best(store, run, 80, 1.0)
+    commit_best(store, run, "best_checkpoint_000000080", 80, 1.0)
     put(POINTER, json.dumps({"checkpoint": "checkpoint_000000080", "step": 80, "written": []}))
     put(f"{CACHE_SUBFOLDER}/torch-x/rank-0.bin", "second fit")
     log.log_step(step_record(81))

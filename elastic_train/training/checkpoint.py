@@ -332,9 +332,14 @@ def write_best(snap: dict[str, Any], fs: pafs.FileSystem, run_path: str, step: i
     The folder `best_checkpoint_<step>` is written whole (manifest last), then `best_checkpoint.json`
     is replaced to name it, then the previous best is deleted: a crash at any point leaves a
     pointer to a complete folder (or none yet). Ray's own retention never sees these folders, so
-    it cannot delete the best when it is older than the newest `checkpoint.keep`."""
-    write_best_files(snap, fs, run_path, step, clean=True)
-    return commit_best(fs, run_path, step, eval_loss)
+    it cannot delete the best when it is older than the newest `checkpoint.keep`. A step
+    trained again after a restart never writes into the folder the pointer names
+    (`best_folder`)."""
+    name = best_folder(fs, run_path, step, eval_loss)
+    if name is None:
+        return read_best_pointer(fs, run_path)["checkpoint"]
+    write_best_files(snap, fs, run_path, name, clean=True)
+    return commit_best(fs, run_path, name, step, eval_loss)
 
 
 def checkpoint_name(step: int) -> str:
@@ -346,11 +351,30 @@ def _best_name(step: int) -> str:
     return f"best_checkpoint_{step:09d}"
 
 
-def write_best_files(snap: dict[str, Any], fs: pafs.FileSystem, run_path: str, step: int,
+def best_folder(fs: pafs.FileSystem, run_path: str, step: int, eval_loss: float) -> str | None:
+    """The folder the best checkpoint of `step` goes to: `best_checkpoint_<step>`, unless the
+    pointer names that step's folder already. After a restart the steps since the restored
+    checkpoint are trained again, and their evaluations are bests again: when the pointer's
+    folder is whole and of the same evaluation loss to the bit (the step trained again as
+    before, as the exact reduction does) it is kept as it is (None); otherwise the new one goes
+    to `best_checkpoint_<step>.<n+1>`, so that the folder the pointer names is never removed
+    or half rewritten (a crash then would leave the pointer naming a broken folder). Every rank
+    reads the same pointer, so under fsdp all choose the same folder."""
+    name, pointer = _best_name(step), read_best_pointer(fs, run_path)
+    if pointer is None or pointer["checkpoint"].partition(".")[0] != name:
+        return name
+    whole = fs.get_file_info(f"{run_path}/{pointer['checkpoint']}/{MANIFEST}").type == pafs.FileType.File
+    if whole and pointer.get("eval_loss") == eval_loss:
+        return None
+    suffix = pointer["checkpoint"].partition(".")[2]
+    return f"{name}.{int(suffix) + 1 if suffix.isdigit() else 1}"
+
+
+def write_best_files(snap: dict[str, Any], fs: pafs.FileSystem, run_path: str, name: str,
                      clean: bool) -> None:
-    """Write one rank's share `snap` into the best checkpoint folder of `step`; `clean` first
+    """Write one rank's share `snap` into the best checkpoint folder `name`; `clean` first
     removes what a crashed earlier attempt left there (only when one rank writes the folder)."""
-    target = f"{run_path}/{_best_name(step)}"
+    target = f"{run_path}/{name}"
     if isinstance(fs, pafs.LocalFileSystem):
         if clean:
             shutil.rmtree(target, ignore_errors=True)  # a crashed earlier attempt's half
@@ -362,10 +386,9 @@ def write_best_files(snap: dict[str, Any], fs: pafs.FileSystem, run_path: str, s
             pafs.copy_files(local, target, destination_filesystem=fs)
 
 
-def commit_best(fs: pafs.FileSystem, run_path: str, step: int, eval_loss: float) -> str:
-    """Point `best_checkpoint.json` at the (complete) best folder of `step`, then delete the
-    previous best. Returns the folder's name."""
-    name = _best_name(step)
+def commit_best(fs: pafs.FileSystem, run_path: str, name: str, step: int, eval_loss: float) -> str:
+    """Point `best_checkpoint.json` at the (complete) best folder `name`, of `step`, then delete
+    the previous best. Returns the folder's name."""
     previous = read_best_pointer(fs, run_path)
     pointer = json.dumps({"checkpoint": name, "step": step, "eval_loss": eval_loss})
     with fs.open_output_stream(f"{run_path}/{BEST_POINTER}.tmp") as f:
@@ -430,10 +453,13 @@ class BestCheckpointWriter:
         at once): a crashed attempt's files there are overwritten or, beyond the new manifest's
         shards, ignored, and nothing reads the folder before the pointer names it."""
         self.wait()
-        write_best_files(snap, self.fs, self.run_path, step, clean=False)
+        name = best_folder(self.fs, self.run_path, step, eval_loss)
+        if name is None:  # the same on every rank
+            return
+        write_best_files(snap, self.fs, self.run_path, name, clean=False)
         barrier()
         if snap["shard"] == 0:
-            commit_best(self.fs, self.run_path, step, eval_loss)
+            commit_best(self.fs, self.run_path, name, step, eval_loss)
 
     def wait(self) -> None:
         """Until the write in flight ends; raises what it raised (a full disk, say)."""
