@@ -565,17 +565,22 @@ def bad_input(case: str, root: Path) -> tuple[list[str], list[str]]:
     if case == "png":
         (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
         return [str(root / "image.png")], [f"no input text found in '{root / 'image.png'}' "
-                                           "(skipped 1 binary file(s))"]
+                                           "(skipped 1 binary file(s), not text: "
+                                           f"'{root / 'image.png'}' (it holds NUL bytes)"]
+    if case == "latin-1 text":  # not UTF-8: what to do about it
+        (root / "old.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+        return [str(root / "old.txt")], [f"'{root / 'old.txt'}' (it is not UTF-8 text (byte 3))",
+                                         "iconv -f latin1 -t utf-8"]
     assert case == "shared library"
     (root / "lib.so").write_bytes(b"\x7fELF\x02\x01\x01" + bytes(range(256)))
     return [str(root / "lib.so")], [f"no input text found in '{root / 'lib.so'}' "
-                                    "(skipped 1 binary file(s))"]
+                                    "(skipped 1 binary file(s), not text: "]
 
 
 @pytest.mark.parametrize("case", [
     "tokenizer missing", "tokenizer corrupt", "tokenizer folder of nothing",
     "jsonl field missing", "jsonl not json", "jsonl not an object", "jsonl text not a string",
-    "parquet column missing", "empty path", "png", "shared library"])
+    "parquet column missing", "empty path", "png", "latin-1 text", "shared library"])
 def test_bad_input_gives_one_clear_error_naming_the_culprit(case, tmp_path, capsys,
                                                            bpe_tokenizer):
     (tmp_path / "in").mkdir()

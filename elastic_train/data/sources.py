@@ -458,14 +458,20 @@ def no_text_message(inputs, skipped: list, sft: SftCounts | None = None,
     if sft is not None and sft.examples and sft.dropped == sft.examples:
         return sft.dropped_all(max_seq_len)
     shown = ", ".join(f"'{item}'" for item in inputs) or "(no inputs given)"
-    extra = f" (skipped {len(skipped)} binary file(s))" if skipped else ""
+    extra = (f" (skipped {len(skipped)} binary file(s), not text: {_named(skipped)}; text must "
+             "be UTF-8: convert other encodings first, e.g. iconv -f latin1 -t utf-8)"
+             if skipped else "")
     return f"no input text found in {shown}{extra}"
+
+
+def _named(skipped: list) -> str:
+    """The first three skipped files, each with why."""
+    return ", ".join(f"'{file}' ({why})" for file, why in skipped[:3]) + (
+        ", ..." if len(skipped) > 3 else "")
 
 
 def warn_skipped(skipped: list) -> None:
     """One warning that counts the binary files skipped, naming the first three."""
     if skipped:
-        shown = ", ".join(f"'{file}' ({why})" for file, why in skipped[:3])
         logging.getLogger("elastic_train.prepare").warning(
-            "skipped %d binary file(s), not text: %s%s", len(skipped), shown,
-            ", ..." if len(skipped) > 3 else "")
+            "skipped %d binary file(s), not text: %s", len(skipped), _named(skipped))
