@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from conftest import TINY
 
 from elastic_train.cli import main
@@ -64,9 +65,9 @@ def good_data(tmp_path_factory) -> str:
     return str(out)
 
 
-def resumable_run(storage: Path, data: str, name: str = "r") -> Path:
-    """A run folder whose checkpoint was trained on `data` with the TINY config (as check_inputs
-    resolves it), with the `dataset.json` a fit writes; no Ray."""
+def resumable_run(storage: Path, data: str, name: str = "r", config: tuple[str, ...] = tuple(TINY)) -> Path:
+    """A run folder whose checkpoint was trained on `data` with the `config` overrides (TINY;
+    as check_inputs resolves them), with the `dataset.json` a fit writes; no Ray."""
     import torch
 
     from elastic_train.config import load_config
@@ -75,7 +76,7 @@ def resumable_run(storage: Path, data: str, name: str = "r") -> Path:
     from elastic_train.training.checkpoint import snapshot, write_checkpoint
     from elastic_train.training.model import build_model
 
-    cfg = load_config(None, [*TINY, f"data.path={data}", f"run.storage_path={storage}",
+    cfg = load_config(None, [*config, f"data.path={data}", f"run.storage_path={storage}",
                              f"run.name={name}"])
     info = check_inputs(cfg)
     model = build_model(cfg.model, cfg.data.max_seq_len)
@@ -364,10 +365,22 @@ CASES = [
     Case("resume with another data.seed", resume("data.seed=5"), "data.seed"),
     Case("resume with another data.path", train_with(resume_on_a_copy), "data.path"),
     Case("resume with another batch budget", resume("data.global_batch_tokens=2048"), "partition count"),
+    # the same partitions, cut otherwise: the first window's positions would still check out
+    Case("resume with other micro-batches", resume("data.micro_batch_tokens=2048",
+                                                   "data.global_batch_tokens=8192"),
+         "(step 2) holds a data position in the data as cut into steps then, and "
+         "data.micro_batch_tokens was 1024, now 2048: cut otherwise, the rest of the epoch would "
+         "train some samples twice and others never. Set it back to resume"),
+    Case("resume with another shuffle window", resume("data.shuffle_window=4096"),
+         "data.shuffle_window was 1024, now 4096"),
+    Case("resume without bucketing", resume("data.bucketing=false"), "data.bucketing was True, now False"),
     Case("resume with other shards", resume(before=lambda run: (run / "dataset.json").write_text(
         json.dumps({**json.loads((run / "dataset.json").read_text()),
                     "shards": [["part-00000.parquet", 1]]}))), "shards changed"),
     Case("resume another model", resume("model.d_model=64"), "does not fit the configured model"),
+    Case("resume with another optimizer", resume("optim.name=adamw8bit"),
+         "optim.name: run t's latest checkpoint checkpoint_000000002 holds the state of adamw "
+         "(its moments), which adamw8bit cannot take: resume with optim.name=adamw"),
     # prepare
     Case("prepare empty input", prepare_case(lambda tmp: ["", "--output", str(tmp / "out")]), "input ''"),
     Case("prepare empty output", prepare_case(lambda tmp: [*files(tmp, a_txt=b"hello"), "--output", ""]),
@@ -740,3 +753,35 @@ def test_a_resume_that_moves_the_lr_schedule_says_from_what_to_what(tmp_path, go
     with pytest.raises(AssertionError, match="Ray would start now"):
         main(train()(tmp_path, good_data))
     assert not [r for r in caplog.records if "learning rate goes from" in r.getMessage()]
+
+
+@pytest.mark.unit
+def test_a_resume_keeps_the_batch_sizes_its_run_derived(tmp_path, held_out_dataset):
+    """Batch sizes left to the data are derived from it and from scaling.max_workers (and the
+    device): a resume keeps those its checkpoint's data position was cut by. With
+    max_workers=10 a new run derives 10 micro-batches a step, but the resume keeps 8 and says
+    that they cap it at 8 workers (it was refused as "trained on other data"); at 8 it resumes.
+    eval.fraction on a data set prepared with held-out documents changes nothing trained on:
+    a resume without evaluation is no other data."""
+    from elastic_train.config import ConfigError, load_config
+    from elastic_train.preflight.inputs import check_inputs
+
+    derived = tuple(o for o in TINY if not o.startswith(("data.micro_batch_tokens",
+                                                         "data.global_batch_tokens")))
+    first = (*derived, "eval.fraction=0.1")
+    run = resumable_run(tmp_path / "runs", held_out_dataset, "r", config=first)
+    saved = yaml.safe_load((run / "config.yaml").read_text())["data"]
+    assert saved["global_batch_tokens"] // saved["micro_batch_tokens"] == 8
+    common = [*first, f"data.path={held_out_dataset}", f"run.storage_path={tmp_path / 'runs'}"]
+    fresh = load_config(None, [*common, "run.name=fresh", "scaling.max_workers=10"])
+    check_inputs(fresh)  # a new run derives its own
+    assert fresh.data.global_batch_tokens // fresh.data.micro_batch_tokens == 10
+    with pytest.raises(ConfigError, match=r"^scaling\.max_workers: run r cuts each step into 8 "
+                       r"micro-batches \(data\.global_batch_tokens 2048 / data\.micro_batch_tokens "
+                       r"256, as its checkpoint checkpoint_000000002 has them\), so it trains on "
+                       r"at most 8 workers, not 10: resume with scaling\.max_workers=8 or fewer"):
+        check_inputs(load_config(None, [*common, "run.name=r", "scaling.max_workers=10"]))
+    resumed = load_config(None, [*common, "run.name=r", "scaling.max_workers=8", "eval.fraction=0"])
+    check_inputs(resumed)
+    assert (resumed.data.micro_batch_tokens, resumed.data.global_batch_tokens) == (
+        saved["micro_batch_tokens"], saved["global_batch_tokens"])

@@ -169,3 +169,55 @@ def test_bytes_per_parameter_table_matches_the_measured_adamw_state() -> None:
     assert optimizer_state_bytes(optimizer) / count_parameters(model) == pytest.approx(8.0, abs=0.01)
     assert training_bytes_per_param("adamw", "exact") == 24
     assert training_bytes_per_param("adamw8bit", "ddp") == 14
+
+
+class ResumingEnv:
+    """LocalEnv (tests/localenv.py) that resumes from `resume_from` and writes its final
+    checkpoint into `folder`."""
+
+    @staticmethod
+    def make(resume_from, folder):
+        from pathlib import Path
+
+        from localenv import LocalEnv
+
+        from elastic_train.training.checkpoint import write_checkpoint
+
+        class Env(LocalEnv):
+            def latest_checkpoint_dir(self):
+                return resume_from
+
+            def save_checkpoint(self, snap, step, final):
+                super().save_checkpoint(snap, step, final)
+                if final:
+                    write_checkpoint(snap, Path(folder))
+
+        return Env
+
+
+def test_a_resume_trains_with_the_configs_betas_and_weight_decay_not_the_checkpoints(
+        small_dataset, tmp_path):
+    """optim.beta1, beta2 and weight_decay changed on a resume are what it trains with (the
+    checkpoint's optimizer state carried the old ones back, silently, while config.yaml said
+    the new); unchanged, the run's own."""
+    from conftest import TINY
+    from localenv import train_locally
+
+    from elastic_train.config import load_config
+    from elastic_train.training.checkpoint import read_shards
+
+    base = [*TINY, f"data.path={small_dataset}", "train.grad_reduce=exact"]
+    first = tmp_path / "first"
+    train_locally(load_config(None, [*base, "train.max_steps=3"]),
+                  env_cls=lambda *a: ResumingEnv.make(None, first)(*a))
+    changed = ["optim.weight_decay=0.0", "optim.beta1=0.8", "optim.beta2=0.99"]
+    runs = {}
+    for name, extra in (("same", []), ("changed", changed)):
+        out = tmp_path / name
+        train_locally(load_config(None, [*base, "train.max_steps=5", *extra]),
+                      env_cls=lambda *a, out=out: ResumingEnv.make(str(first), out)(*a))
+        runs[name] = read_shards(out, "optimizer")["param_groups"]
+    assert [(g["betas"], g["weight_decay"]) for g in runs["same"]] == [((0.9, 0.95), 0.1),
+                                                                      ((0.9, 0.95), 0.0)]
+    assert [(g["betas"], g["weight_decay"]) for g in runs["changed"]] == [((0.8, 0.99), 0.0),
+                                                                         ((0.8, 0.99), 0.0)]

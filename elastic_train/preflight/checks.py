@@ -16,9 +16,12 @@ increasing ranges 0.85 s in row groups of a million rows, 2.0 s in row groups of
 3.9 s (a third pass finds its rows). Memory: 8 MiB a batch, plus 16 bytes a row when sorting.
 
 Data identity. A checkpoint's data position (epoch, step in epoch) means something only for the
-data set, seed and partition count it was saved with; `data_identity` states them (with the
-shard names and row counts) and `identity_change` says what differs, so that a resumed run on
-other data is refused by name instead of silently reading a position of something else.
+data set, seed and cut into steps (partition count, micro-batch tokens, shuffle window,
+bucketing) it was saved with; `data_identity` states them (with the shard names and row counts)
+and `identity_change` says what differs, so that a resumed run on other data, or on the same
+data cut otherwise, is refused by name instead of silently reading a position of something else
+(within an epoch's first shuffle window a position cut otherwise still checks out on the
+workers: samples would be trained twice and others never).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import pyarrow.parquet as pq
 from elastic_train.config import (
     Config,
     ConfigError,
+    batch_tokens,
     check_compression,
     choose_grad_reduce,
     num_partitions,
@@ -236,14 +240,25 @@ def check_gpu(cfg: Config) -> None:
 
 
 def data_identity(cfg: Config, info: DatasetInfo) -> dict[str, Any]:
-    """What a checkpoint's data position depends on: data set, seed, partitions, the share held
-    out for evaluation (the rest is trained on), shards."""
+    """What a checkpoint's data position depends on: data set, seed, the share of its row
+    groups held out for evaluation (None where the held-out documents are apart, prepared
+    with --eval-fraction: eval.fraction then changes nothing of what is trained on), shards,
+    and how each partition's stream is cut into micro-batches (`CUT_KEYS`: partitions,
+    micro-batch tokens, shuffle window, bucketing)."""
     shards = []
     for file in info.files:
         with info.filesystem.open_input_file(file) as handle:
             shards.append([file.rsplit("/", 1)[-1], pq.ParquetFile(handle).metadata.num_rows])
-    return {"path": _shown_path(info), "seed": cfg.data.seed, "partitions": num_partitions(cfg),
-            "held_out": cfg.eval.fraction, "shards": shards}
+    d = cfg.data
+    return {"path": _shown_path(info), "seed": d.seed, "partitions": num_partitions(cfg),
+            "micro_batch_tokens": batch_tokens(cfg)[0], "shuffle_window": d.shuffle_window,
+            "bucketing": d.bucketing,
+            "held_out": None if info.eval_split is not None else cfg.eval.fraction,
+            "shards": shards}
+
+
+# The identity's keys that say how the data is cut into steps, not which data it is.
+CUT_KEYS = ("micro_batch_tokens", "partitions", "shuffle_window", "bucketing")
 
 
 def _shown_path(info: DatasetInfo) -> str:
@@ -252,19 +267,24 @@ def _shown_path(info: DatasetInfo) -> str:
     return f"{info.filesystem.type_name}://{info.path}"
 
 
-def identity_change(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """What differs between a saved data identity (any subset of the keys) and the current one."""
+def identity_change(saved: dict[str, Any], current: dict[str, Any]) -> tuple[str, str] | None:
+    """What differs between a saved data identity (any subset of the keys) and the current one:
+    (the key, what), or None."""
     labels = {"path": "data.path", "seed": "data.seed",
+              "micro_batch_tokens": "data.micro_batch_tokens",
               "partitions": "partition count (data.global_batch_tokens / data.micro_batch_tokens)",
-              "held_out": "eval.fraction (the share of data.path held out from training)"}
+              "shuffle_window": "data.shuffle_window", "bucketing": "data.bucketing",
+              "held_out": "eval.fraction (the share of data.path's row groups held out from "
+                          "training)"}
     for key, label in labels.items():
-        if key in saved and saved[key] != current[key]:
-            return f"{label} was {saved[key]!r}, now {current[key]!r}"
+        if key in saved and current.get(key) is not None and saved[key] is not None \
+                and saved[key] != current[key]:
+            return key, f"{label} was {saved[key]!r}, now {current[key]!r}"
     if "shards" in saved and [list(s) for s in saved["shards"]] != current["shards"]:
         old = {name: rows for name, rows in saved["shards"]}
         new = dict(current["shards"])
         diff = sorted(set(old.items()) ^ set(new.items()))
         name = diff[0][0]
-        return (f"the data set's shards changed: {name} had {old.get(name, 'no')} rows, now "
-                f"{new.get(name, 'no')} ({len(old)} shards then, {len(new)} now)")
+        return "shards", (f"the data set's shards changed: {name} had {old.get(name, 'no')} "
+                          f"rows, now {new.get(name, 'no')} ({len(old)} shards then, {len(new)} now)")
     return None

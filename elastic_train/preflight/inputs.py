@@ -42,7 +42,7 @@ from elastic_train.preflight.checks import (
     check_storage,
 )
 from elastic_train.preflight.resolve import resolve_config
-from elastic_train.preflight.resume import check_resumable
+from elastic_train.preflight.resume import check_resumable, keep_batch_sizes
 from elastic_train.preflight.vocab import check_model_tokenizer
 from elastic_train.training.checkpoint import model_signature
 from elastic_train.training.memory import (
@@ -273,6 +273,7 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     resolve_config(cfg, model_fn)
     check_gpu(cfg)
     info = resolve_dataset(cfg)
+    keep_batch_sizes(cfg)  # a resume's, where they are left to the data
     fill_max_seq_len(cfg, info)  # first: the evaluation set's rows are checked against it
     tables = data_tables(cfg, info, warn=True)
     fill_from_dataset(cfg, info, tables.eval_info)

@@ -16,6 +16,7 @@ from elastic_train.data.dataset import DatasetInfo
 from elastic_train.observe import provenance
 from elastic_train.observe.runfolder import run_uri, split_uri
 from elastic_train.preflight.checks import (
+    CUT_KEYS,
     IDENTITY_FILE,
     data_identity,
     identity_change,
@@ -33,6 +34,33 @@ def check_resumable(cfg: Config, ours: dict[str, list[int]],
     before Ray starts, with the run folder left as it was. (The worker checks the checkpoint Ray
     hands it again, in case one appears meanwhile.) Returns that checkpoint's state.json (None
     without one)."""
+    newest = _newest_checkpoint(cfg)
+    if newest is None:
+        return None
+    fs, folder, name, state = newest
+    mismatch = signature_mismatch(state, ours)
+    if mismatch:
+        raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} {mismatch}; use "
+                          f"another run.name, or the model config it was trained with")
+    optim = state["config"].get("optim")
+    saved_optimizer = optim.get("name") if isinstance(optim, dict) else None
+    if isinstance(saved_optimizer, str) and saved_optimizer != cfg.optim.name:
+        raise ConfigError(
+            f"optim.name: run {cfg.run.name}'s latest checkpoint {name} holds the state of "
+            f"{saved_optimizer} (its moments), which {cfg.optim.name} cannot take: resume with "
+            f"optim.name={saved_optimizer}, or start another run.name")
+    if info is not None:
+        _check_same_data(cfg, info, state, fs, folder, name)
+    _check_same_base(cfg, fs, f"{folder}/{name}", name)
+    note = lr_change_note(cfg, state)
+    if note:
+        logger.warning(note)
+    return state
+
+
+def _newest_checkpoint(cfg: Config) -> tuple[pafs.FileSystem, str, str, dict[str, Any]] | None:
+    """(filesystem, run folder, name, state.json) of the run folder's newest complete
+    checkpoint, or None; a state.json that is not one is a ConfigError naming it."""
     fs, folder, _ = split_uri(run_uri(cfg))
     for name in complete_checkpoints(fs, folder):
         directory = f"{folder}/{name}"
@@ -41,18 +69,37 @@ def check_resumable(cfg: Config, ours: dict[str, list[int]],
                 and isinstance(state.get("model_signature"), dict)):
             raise ConfigError(f"checkpoint file '{directory}/state.json' is corrupt: not the state "
                               "of a checkpoint")
-        mismatch = signature_mismatch(state, ours)
-        if mismatch:
-            raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} {mismatch}; use "
-                              f"another run.name, or the model config it was trained with")
-        if info is not None:
-            _check_same_data(cfg, info, state, fs, folder, name)
-        _check_same_base(cfg, fs, directory, name)
-        note = lr_change_note(cfg, state)
-        if note:
-            logger.warning(note)
-        return state
+        return fs, folder, name, state
     return None
+
+
+def keep_batch_sizes(cfg: Config) -> None:
+    """A resume keeps the batch sizes its run had where the config leaves them to the data:
+    derived afresh (inputs.fill_batch_tokens) they depend on scaling.max_workers and the
+    device, so resuming on more workers or on GPUs would cut the data into other steps and the
+    checkpoint's data position would be refused (or mean other samples). Set explicitly, they
+    are the user's, and a change of the cut is refused naming the key (check_resumable)."""
+    d = cfg.data
+    if d.micro_batch_tokens is not None and d.global_batch_tokens is not None:
+        return
+    newest = _newest_checkpoint(cfg)
+    saved = newest[3]["config"].get("data") if newest is not None else None
+    if not isinstance(saved, dict):
+        return
+    kept = [key for key in ("micro_batch_tokens", "global_batch_tokens")
+            if getattr(d, key) is None and isinstance(saved.get(key), int) and saved[key] > 0]
+    for key in kept:
+        setattr(d, key, saved[key])
+    if d.micro_batch_tokens and d.global_batch_tokens:
+        partitions = d.global_batch_tokens // d.micro_batch_tokens
+        if kept and partitions < cfg.scaling.max_workers:
+            raise ConfigError(
+                f"scaling.max_workers: run {cfg.run.name} cuts each step into {partitions} "
+                f"micro-batches (data.global_batch_tokens {d.global_batch_tokens} / "
+                f"data.micro_batch_tokens {d.micro_batch_tokens}, as its checkpoint {newest[2]} "
+                f"has them), so it trains on at most {partitions} workers, not "
+                f"{cfg.scaling.max_workers}: resume with scaling.max_workers={partitions} or "
+                "fewer, or start another run.name")
 
 
 def lr_change_note(cfg: Config, state: dict[str, Any]) -> str | None:
@@ -114,12 +161,19 @@ def _check_same_data(cfg: Config, info: DatasetInfo, state: dict, fs: pafs.FileS
     every shard's row count, and the row count is not the news. Other library versions or code
     only warn, naming them."""
     identity = _identity_change(cfg, info, state, fs, folder)
+    if identity is not None and identity[0] in CUT_KEYS and cfg.data.on_change != "keep_position":
+        step = state.get("train_state", {}).get("step", "?")
+        raise ConfigError(
+            f"run {cfg.run.name}: its latest checkpoint {name} (step {step}) holds a data position "
+            f"in the data as cut into steps then, and {identity[1]}: cut otherwise, the rest of "
+            "the epoch would train some samples twice and others never. Set it back to resume, "
+            "or use another run.name (data.on_change=keep_position resumes anyway)")
     saved = state.get("provenance") if isinstance(state.get("provenance"), dict) else {}
     if identity is not None:  # it says more than the manifest hash that changes with it
         saved = {k: v for k, v in saved.items() if k != "data_hash"}
     refusing, warning = (provenance.changes(saved, provenance.driver_record(info)) if saved
                          else ([], []))
-    refusing += [identity] if identity is not None else []
+    refusing += [identity[1]] if identity is not None else []
     if refusing and cfg.data.on_change != "keep_position":
         raise ConfigError(f"run {cfg.run.name}: its latest checkpoint {name} was trained on other data: "
                           f"{'; '.join(refusing)}; its data position would mean other rows. Use "
@@ -143,14 +197,18 @@ def _read_json(fs: pafs.FileSystem, path: str, what: str):
 
 
 def _identity_change(cfg: Config, info: DatasetInfo, state: dict, fs: pafs.FileSystem,
-                     folder: str) -> str | None:
-    """What differs in the data identity (path, seed, partitions, shards) since the checkpoint."""
+                     folder: str) -> tuple[str, str] | None:
+    """What differs in the data identity (checks.data_identity) since the checkpoint: (key,
+    what), or None. The checkpoint's own config says the seed and the cut; the run folder's
+    dataset.json, where there is one, says the rest."""
     current = data_identity(cfg, info)
     data = state["config"].get("data")
     data = data if isinstance(data, dict) else {}
     saved = {"seed": data["seed"]} if isinstance(data.get("seed"), int) else {}
     if data.get("global_batch_tokens") and data.get("micro_batch_tokens"):
         saved["partitions"] = data["global_batch_tokens"] // data["micro_batch_tokens"]
+        saved["micro_batch_tokens"] = data["micro_batch_tokens"]
+    saved.update({k: data[k] for k in ("shuffle_window", "bucketing") if k in data})
     path = data.get("path")
     if isinstance(path, str) and ("://" in path or os.path.isabs(path)):
         # (a relative one depended on that run's working folder)

@@ -109,8 +109,10 @@ def restore_instead(env: InPlaceEnv, cfg: Config, replica: Replica, reason: str)
     directory = env.latest_checkpoint_dir()
     if directory is not None:
         from elastic_train.training.checkpoint import load_checkpoint
+        from elastic_train.training.optim import set_hyperparameters
 
         t.state = TrainState(**load_checkpoint(directory, t.raw_model, t.optimizer, t.setup.scaler))
+        set_hyperparameters(t.optimizer, cfg.optim)
         t.state.grad_reduce = "exact"
         check_restored_position(cfg, env, t.state)
     replica.unrestored = False

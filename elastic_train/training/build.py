@@ -49,7 +49,7 @@ from elastic_train.training.model import (
     build_model,
     can_materialize,
 )
-from elastic_train.training.optim import build_optimizer
+from elastic_train.training.optim import build_optimizer, set_hyperparameters
 from elastic_train.training.reduce import ExactGradSum
 from elastic_train.training.sharding import (
     ShardedReduce,
@@ -133,6 +133,7 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     elif ckpt_dir is not None:
         state = TrainState(**load_checkpoint(ckpt_dir, raw_model, optimizer, scaler))
         check_state_device(optimizer, env.device)
+    set_hyperparameters(optimizer, cfg.optim)  # the config's, not the checkpoint's
     state.grad_reduce = choice.chosen
     if powersgd is not None:
         restore_powersgd(powersgd, env, ckpt_dir, state.step)

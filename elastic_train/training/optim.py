@@ -59,6 +59,16 @@ def lr_at(step: int, optim_cfg: OptimConfig, max_steps: int) -> float:
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - floor)
 
 
+def set_hyperparameters(optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig) -> None:
+    """The config's betas and weight decay in the groups `build_optimizer` made (the first
+    decayed, the second not), after a checkpoint's `load_state_dict` put its own back: a resume
+    with other optim.beta1, beta2 or weight_decay trains with them, as config.yaml says (the
+    learning rate is set every step: `set_lr`)."""
+    for i, group in enumerate(optimizer.param_groups):
+        group["betas"] = (optim_cfg.beta1, optim_cfg.beta2)
+        group["weight_decay"] = optim_cfg.weight_decay if i == 0 else 0.0
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set the learning rate of every parameter group."""
     for group in optimizer.param_groups:
