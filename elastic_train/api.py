@@ -14,7 +14,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -34,9 +36,11 @@ from elastic_train.cluster.nodewatch import (
 from elastic_train.cluster.runlog import poll_progress
 from elastic_train.cluster.runwatch import (
     RunWatch,
+    SignalWatch,
     StopSignals,
     abort_controller,
     cancel_resource_request,
+    cluster_processes,
 )
 from elastic_train.config import Config
 from elastic_train.data.dataset import DatasetInfo
@@ -151,7 +155,8 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
                                 pg_cleaner=not local or cfg.run.dashboard)
         startup["fit_call"] = time.time()
         ray.get(runlog.log_event.remote({"event": "fit_start", "driver_startup": startup}))
-        outcome = _fit(cfg, trainer, runlog, progress, local, stop)
+        outcome = _fit(cfg, trainer, runlog, progress, local, stop,
+                       functools.partial(_stopped_summary, cfg, folder, start, record))
         fatal = ray.get(runlog.progress.remote())["fatal"]
         summary = build_summary(folder, start_time=start, error=fatal or outcome.error,
                                 limits=(cfg.train.max_steps, cfg.train.epochs))
@@ -202,10 +207,13 @@ class _Outcome:
     stopped: str | None = None  # the signal that stopped it
 
 
-def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals) -> _Outcome:
+def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals,
+         stopped_summary: Callable[[str], str]) -> _Outcome:
     """trainer.fit(), with the driver's threads around it: progress, the run watch (a line
     per failure; the wait for workers bounded), the node watcher of an elastic run, CPU
-    priorities. Ray Train's resource request is withdrawn as soon as the fit is over."""
+    priorities. Ray Train's resource request is withdrawn as soon as the fit is over. On a
+    local cluster, SIGTERM writes `stopped_summary(signal)` at once, and ends the process if
+    the cluster went down with it (runwatch.SignalWatch)."""
     outcome = _Outcome()
     if progress is not None:
         progress.start(runlog, poll=functools.partial(poll_progress, runlog))
@@ -216,6 +224,8 @@ def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals)
     elastic = cfg.scaling.min_workers < cfg.scaling.max_workers
     watcher = NodeWatcher().start() if elastic else None
     train_first = TrainFirst().start() if local and cfg.run.train_first else None
+    signals = SignalWatch(cluster_processes() if local else [], stopped_summary,
+                          functools.partial(_end_without_cluster, stopped_summary)).start()
     try:
         result = trainer.fit()
         outcome.checkpoint_path = result.checkpoint.path if result.checkpoint else None
@@ -230,6 +240,7 @@ def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals)
         outcome.error = watch.reason  # the watch aborted the controller
     finally:
         stop.disarm()
+        signals.close()
         cancel_resource_request(trainer.train_run_context.run_id)
         if progress is not None:
             progress.stop()
@@ -240,6 +251,58 @@ def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals)
             train_first.stop()
             ray.get(runlog.log_event.remote({"event": "cpu_share", **train_first.changed}))
     return outcome
+
+
+def _stopped_summary(cfg: Config, folder: str, start: float, record: dict[str, Any],
+                     signal_name: str) -> str:
+    """A "stopped" summary.json from the run folder's files, and the last attempt's `end`, written
+    by the driver itself (runwatch.SignalWatch) for when the signal took the local cluster, and
+    the RunLog actor with it, down too: the ordinary stop path replaces both with the RunLog's.
+    Local storage only (the RunLog wrote every record straight into the folder; a remote run
+    folder's staging copy is the RunLog's), and only for an accepted run (one that never began
+    leaves the folder as it was). Returns what it did, for the closing line."""
+    from elastic_train.observe.runfolder import CONFIG_FILE, PENDING
+
+    path = Path(folder)
+    accepted = (path / CONFIG_FILE).is_file() and not list(path.glob("*" + PENDING))
+    if "://" in run_uri(cfg) or not accepted or not (path / "attempts.json").is_file():
+        return ""
+    try:
+        summary = build_summary(folder, start_time=start, error=None,
+                                limits=(cfg.train.max_steps, cfg.train.epochs))
+        summary.update(status="stopped", reason=f"stopped by {signal_name}", provenance=record)
+        attempts = json.loads((path / "attempts.json").read_text())
+        if attempts and attempts[-1].get("start_time", 0) >= start and "end" not in attempts[-1]:
+            attempts[-1]["end"] = {"time": time.time(), "cause": "stopped"}
+            _write_atomically(path / "attempts.json", json.dumps(attempts))
+        _write_atomically(path / "summary.json", json.dumps(summary, indent=2))
+    except (OSError, ValueError) as exc:
+        return f": summary.json not written ({exc})"
+    return ": summary.json written from the run folder"
+
+
+def _end_without_cluster(stopped_summary: Callable[[str], str], signal_name: str) -> None:
+    """The signal that stopped the driver stopped its local Ray cluster too: no call to Ray can
+    return (the driver's would wait 60 s for its GCS, then the process dies). The summary is
+    written (`stopped_summary`); the process says so and exits at once, 128 + the signal."""
+    import signal as signals
+
+    try:  # what is left of the cluster (the raylet's agents): it is going down, end it whole
+        for process in psutil.Process().children(recursive=True):
+            process.kill()
+    except psutil.Error:
+        pass
+    written = stopped_summary(signal_name)
+    print(f"stopped by {signal_name}; the local Ray cluster went down with the driver{written}",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(128 + getattr(signals, signal_name))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 class TrainingFailed(RuntimeError):

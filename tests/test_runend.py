@@ -229,6 +229,48 @@ def _held(run_ids_before: set[str]) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.timeout(300)
+def test_sigterm_to_the_drivers_whole_group_ends_a_local_run_stopped_at_once(small_dataset, tmp_path):
+    """`timeout`, systemd, Slurm and `kill -- -PGID` send SIGTERM to every process of the
+    driver's group, its local Ray cluster's too, which goes down at once: the driver (which
+    waited 60 s for a GCS that was gone, then died with no summary) ends the run itself from
+    the run folder: summary.json "stopped" with its steps, the attempt ended, exit 143, and none
+    of the cluster's processes left."""
+    import psutil
+
+    proc = subprocess.Popen(
+        [str(BIN / "elastic-train"), "train", *TINY, f"data.path={small_dataset}",
+         f"run.storage_path={tmp_path}", "run.name=group", "train.max_steps=100000",
+         "train.epochs=1000", "checkpoint.every_steps=20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, start_new_session=True)
+    metrics = tmp_path / "group" / "metrics.jsonl"
+    try:
+        wait_for("the first steps", lambda: metrics.is_file() and metrics.read_text().count("\n") >= 3)
+        group = [p for p in psutil.process_iter() if _in_group(p, proc.pid)]
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=45)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert out.strip().splitlines()[-1] == ("stopped by SIGTERM; the local Ray cluster went down "
+                                            "with the driver: summary.json written from the run folder")
+    summary = json.loads((tmp_path / "group" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["steps"] >= 3, summary
+    attempts = json.loads((tmp_path / "group" / "attempts.json").read_text())
+    assert attempts[-1]["end"]["cause"] == "stopped"
+    _, alive = psutil.wait_procs(group, timeout=30)
+    assert not alive, [p.name() for p in alive]
+
+
+def _in_group(process, pgid: int) -> bool:
+    try:
+        return os.getpgid(process.pid) == pgid
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+@pytest.mark.timeout(300)
 def test_a_stopped_run_writes_its_summary_and_releases_what_it_held(ray_cluster, small_dataset,
                                                                     tmp_path):
     """SIGTERM (what `ray job stop` sends) to a driver on this cluster, mid-run: summary.json says

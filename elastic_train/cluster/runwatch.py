@@ -207,6 +207,102 @@ class RunStopped(KeyboardInterrupt):
         self.signal_name = signal_name
 
 
+def cluster_processes() -> list:
+    """The processes of the local Ray cluster this driver started (its children: the GCS
+    server, the raylet, the dashboard, the log monitor, ...), as psutil.Process objects."""
+    import psutil
+
+    try:
+        return [p for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE]
+    except psutil.Error:
+        return []
+
+
+def local_cluster_went_down(signal_name: str, processes: list, wait_s: float = 2.0) -> bool:
+    """Whether the local Ray cluster this driver started (`processes`: `cluster_processes()`
+    taken before) went down with the signal that stopped the driver: SIGTERM sent to the
+    driver's whole process group or control group (`timeout`, systemd, Slurm's scancel,
+    `kill -- -PGID`) reaches the cluster's processes too. Some exit at once (the dashboard, the
+    log monitor); the GCS server stops serving but lingers, and the driver's next call to Ray
+    waits 60 s, then the process dies. SIGINT (Ctrl-C in a terminal) never: Ray's processes
+    block it. True when one of `processes` exits within `wait_s` of the signal."""
+    import psutil
+
+    if signal_name != "SIGTERM" or not processes:
+        return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        for p in processes:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.NoSuchProcess:
+                return True
+            except psutil.Error:
+                continue
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)  # the raylet's end follows soon, and with it the core worker's exit
+
+
+class SignalWatch:
+    """Once started (in the main thread, on a local cluster) until closed: a thread that wakes the moment
+    a SIGTERM arrives (`signal.set_wakeup_fd`: the C-level handler writes to a pipe), whatever
+    the main thread is blocked in. When the signal went to the driver's whole group or control
+    group, the local cluster's processes got it too, and the driver's core worker may end the
+    process (exit 1, nothing said) as soon as its raylet is gone, before the main thread runs
+    any Python: so `on_stop(signal)` runs at once (the driver writes a "stopped" summary from
+    the run folder, which the ordinary stop path replaces with the RunLog's), and if the cluster
+    went down (`local_cluster_went_down`), `on_down(signal)`, which does not return."""
+
+    def __init__(self, processes: list, on_stop: Callable[[str], None],
+                 on_down: Callable[[str], None]) -> None:
+        self.processes, self.on_stop, self.on_down = processes, on_stop, on_down
+        self._pipe: tuple[int, int] | None = None
+        self._previous = -1
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> SignalWatch:
+        import os
+        import signal
+
+        if not self.processes or threading.current_thread() is not threading.main_thread():
+            return self
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._previous = signal.set_wakeup_fd(write)
+        self._pipe = (read, write)
+        self._thread = threading.Thread(target=self._run, name="signal-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        import os
+        import signal
+
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._previous)
+        os.close(self._pipe[1])  # the thread's read returns b"": it ends
+        self._thread.join(timeout=5)
+        os.close(self._pipe[0])
+        self._pipe = None
+
+    def _run(self) -> None:
+        import os
+        import signal
+
+        while True:
+            data = os.read(self._pipe[0], 64)
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                self.on_stop("SIGTERM")
+                if local_cluster_went_down("SIGTERM", self.processes):
+                    self.on_down("SIGTERM")
+                return
+
+
 class StopSignals:
     """While entered (in the main thread): SIGINT and SIGTERM raise RunStopped in the main
     thread while `armed`, so the driver ends the run itself: summary.json says "stopped" and what
