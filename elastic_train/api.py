@@ -300,7 +300,7 @@ def _end_without_cluster(stopped_summary: Callable[[str], str], signal_name: str
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + ".driver.tmp")  # not the RunLog's `.tmp`: it may write too
     tmp.write_text(text)
     os.replace(tmp, path)
 

@@ -380,7 +380,9 @@ def test_crash_shrink_grow_and_drain_in_series_end_on_the_uninterrupted_run(
 
     # the drain: a checkpoint on the notice, the last one just before the deadline, a few steps lost
     before = [r for r in recs if r["attempt"] == attempts[3]]
-    assert last[attempts[3]]["step"] > drained["step"] and last[attempts[3]]["time"] <= removed + 1
+    # (a step may still end just after remove_node returns: the removed node's processes die as
+    # they notice their raylet gone, which took 1.1 s once under load)
+    assert last[attempts[3]]["step"] > drained["step"] and last[attempts[3]]["time"] <= removed + 3
     assert max(r["step"] for r in recs) > last[attempts[3]]["step"], "the run ended before the node was taken"
     notice = [e for e in asked if "drain" in e["reason"] and e["time"] >= noticed - 1]
     late = [e for e in notice if "the last checkpoint before" in e["reason"]]

@@ -198,12 +198,17 @@ def test_a_record_whose_predecessor_never_comes_is_written_after_the_hold(tmp_pa
     monkeypatch.setattr(runlog_module, "HOLD_S", 0.2)
     log = RunLogClass(str(tmp_path / "run"))
     log.begin_attempt(1)
+    came = time.monotonic()
     log.log_step(step_record(2), ("rank0", 1))
     log.log_step(step_record(3), ("rank0", 2))
     log.progress()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    time.sleep(0.25)
-    log.progress()  # the driver's poll
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "run" / "metrics.jsonl").exists():  # the driver's polls
+        assert time.monotonic() < deadline, "held past the hold"
+        time.sleep(0.05)
+        log.progress()
+    assert time.monotonic() - came >= 0.2
     assert metrics_lines(tmp_path / "run") == [("step", 2), ("step", 3)]
     log.log_step(step_record(1), ("rank0", 0))
     log.log_step(step_record(4), ("rank0", 3))
