@@ -225,7 +225,7 @@ def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals,
     watcher = NodeWatcher().start() if elastic else None
     train_first = TrainFirst().start() if local and cfg.run.train_first else None
     signals = SignalWatch(cluster_processes() if local else [], stopped_summary,
-                          functools.partial(_end_without_cluster, stopped_summary)).start()
+                          _end_without_cluster).start()
     try:
         result = trainer.fit()
         outcome.checkpoint_path = result.checkpoint.path if result.checkpoint else None
@@ -281,10 +281,11 @@ def _stopped_summary(cfg: Config, folder: str, start: float, record: dict[str, A
     return ": summary.json written from the run folder"
 
 
-def _end_without_cluster(stopped_summary: Callable[[str], str], signal_name: str) -> None:
+def _end_without_cluster(signal_name: str, written: str) -> None:
     """The signal that stopped the driver stopped its local Ray cluster too: no call to Ray can
     return (the driver's would wait 60 s for its GCS, then the process dies). The summary is
-    written (`stopped_summary`); the process says so and exits at once, 128 + the signal."""
+    written already (`_stopped_summary`: `written` says how it went); what is left of the
+    cluster is ended, the process says so and exits at once, 128 + the signal."""
     import signal as signals
 
     try:  # what is left of the cluster (the raylet's agents): it is going down, end it whole
@@ -292,7 +293,6 @@ def _end_without_cluster(stopped_summary: Callable[[str], str], signal_name: str
             process.kill()
     except psutil.Error:
         pass
-    written = stopped_summary(signal_name)
     print(f"stopped by {signal_name}; the local Ray cluster went down with the driver{written}",
           file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -218,18 +218,16 @@ def cluster_processes() -> list:
         return []
 
 
-def local_cluster_went_down(signal_name: str, processes: list, wait_s: float = 2.0) -> bool:
+def local_cluster_went_down(processes: list, wait_s: float = 2.0) -> bool:
     """Whether the local Ray cluster this driver started (`processes`: `cluster_processes()`
-    taken before) went down with the signal that stopped the driver: SIGTERM sent to the
-    driver's whole process group or control group (`timeout`, systemd, Slurm's scancel,
-    `kill -- -PGID`) reaches the cluster's processes too. Some exit at once (the dashboard, the
-    log monitor); the GCS server stops serving but lingers, and the driver's next call to Ray
-    waits 60 s, then the process dies. SIGINT (Ctrl-C in a terminal) never: Ray's processes
-    block it. True when one of `processes` exits within `wait_s` of the signal."""
+    taken before) went down with the SIGTERM that stopped the driver: sent to the driver's
+    whole process group or control group (`timeout`, systemd, Slurm's scancel, `kill --
+    -PGID`), it reaches the cluster's processes too. Some exit at once (the dashboard, the log
+    monitor); the GCS server stops serving but lingers, and the driver's next call to Ray
+    waits 60 s, then the process dies. (SIGINT, Ctrl-C in a terminal, never does: Ray's
+    processes block it.) True when one of `processes` exits within `wait_s` of the signal."""
     import psutil
 
-    if signal_name != "SIGTERM" or not processes:
-        return False
     deadline = time.monotonic() + wait_s
     while True:
         for p in processes:
@@ -253,10 +251,11 @@ class SignalWatch:
     process (exit 1, nothing said) as soon as its raylet is gone, before the main thread runs
     any Python: so `on_stop(signal)` runs at once (the driver writes a "stopped" summary from
     the run folder, which the ordinary stop path replaces with the RunLog's), and if the cluster
-    went down (`local_cluster_went_down`), `on_down(signal)`, which does not return."""
+    went down (`local_cluster_went_down`), `on_down(signal, what on_stop returned)`, which
+    does not return."""
 
-    def __init__(self, processes: list, on_stop: Callable[[str], None],
-                 on_down: Callable[[str], None]) -> None:
+    def __init__(self, processes: list, on_stop: Callable[[str], str],
+                 on_down: Callable[[str, str], None]) -> None:
         self.processes, self.on_stop, self.on_down = processes, on_stop, on_down
         self._pipe: tuple[int, int] | None = None
         self._previous = -1
@@ -297,9 +296,9 @@ class SignalWatch:
             if not data:
                 return
             if signal.SIGTERM in data:
-                self.on_stop("SIGTERM")
-                if local_cluster_went_down("SIGTERM", self.processes):
-                    self.on_down("SIGTERM")
+                written = self.on_stop("SIGTERM")
+                if local_cluster_went_down(self.processes):
+                    self.on_down("SIGTERM", written)
                 return
 
 

@@ -175,7 +175,8 @@ def linear_names(model: nn.Module) -> list[str]:
         if isinstance(module, nn.Linear):
             parts = name.split(".")
             short = ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]
-            names.extend([] if short in names else [short])
+            if short not in names:
+                names.append(short)
     return names
 
 
