@@ -5,11 +5,15 @@ bound on repeated failures, a finished run left alone) is tests/test_runend.py."
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
+import threading
+import time
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 from ray.exceptions import RayActorError
 from ray.train.v2._internal.exceptions import (
@@ -287,3 +291,101 @@ def test_a_second_run_in_a_held_run_folder_is_one_error_naming_the_first(tmp_pat
         with pytest.raises(ConfigError, match=rf"pid {os.getpid()} on"):
             with RunLock(load_config(None, overrides)):  # two in one process: refused as well
                 pass
+
+
+@pytest.fixture
+def remote_lease(monkeypatch):
+    """RunLock on a remote store (pyarrow's in-memory `mock://`, one store for every driver of
+    the test), its lease intervals short: (config overrides, the store, the lease's path)."""
+    from elastic_train.preflight import runlock
+
+    store, _ = pafs.FileSystem.from_uri("mock:///runs")
+    store.create_dir("runs")
+    monkeypatch.setattr(runlock, "split_uri", lambda uri: (store, "runs", False))
+    monkeypatch.setattr(runlock, "LEASE_RENEW_S", 0.1)
+    monkeypatch.setattr(runlock, "LEASE_SILENT_S", 1.0)
+    monkeypatch.setattr(runlock, "LEASE_SETTLE_S", 0.2)
+    return ["run.storage_path=mock:///runs", "run.name=shared"], store, "runs/.shared.lease"
+
+
+def _lease(store, path):
+    with store.open_input_stream(path) as f:
+        return json.loads(f.read())
+
+
+def test_a_remote_run_folder_is_held_by_a_lease_another_cluster_sees(remote_lease, caplog):
+    """Drivers on two clusters share nothing but the store: while one renews its lease, a
+    second is refused naming it; released, the lease is gone and the next driver takes the
+    folder at once (no watch)."""
+    from elastic_train.preflight.runlock import RunLock
+
+    overrides, store, path = remote_lease
+    with RunLock(load_config(None, overrides)):
+        held = _lease(store, path)
+        assert held["pid"] == os.getpid()
+        with pytest.raises(ConfigError, match=rf"run folder mock:///runs/shared is in use by "
+                                              rf"another run \(pid {os.getpid()} on .*\): wait"):
+            with RunLock(load_config(None, overrides)):
+                pass
+        assert _lease(store, path)["lease"] == held["lease"]  # the refused one left it alone
+    assert store.get_file_info(path).type == pafs.FileType.NotFound
+    caplog.clear()
+    with RunLock(load_config(None, overrides)):
+        assert "watching it" not in caplog.text
+        assert _lease(store, path)["lease"] != held["lease"]
+
+
+def test_a_lease_its_driver_stopped_renewing_is_taken_after_the_silent_interval(remote_lease,
+                                                                              caplog):
+    """A driver killed (or its head node lost) leaves its lease: the next driver says so,
+    watches it `LEASE_SILENT_S`, and takes it."""
+    from elastic_train.preflight.runlock import RunLock
+
+    overrides, store, path = remote_lease
+    with store.open_output_stream(path) as f:
+        f.write(json.dumps({"host": "lost-head", "pid": 4242, "started": 1.0e9,
+                            "lease": "dead"}).encode())
+    with RunLock(load_config(None, overrides)):
+        assert _lease(store, path)["pid"] == os.getpid()
+    assert re.search(r"has a lease \(pid 4242 on lost-head, started 2001-09-\d\d [0-9:]+\): "
+                     r"watching it up to 1 s", caplog.text), caplog.text
+
+
+def test_of_two_drivers_that_write_a_lease_at_once_only_the_later_goes_on(remote_lease):
+    """Both found no lease: the one whose lease is overwritten before it reads it back is
+    refused, naming the other."""
+    from elastic_train.preflight.runlock import RunLock
+
+    overrides, store, path = remote_lease
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            with RunLock(load_config(None, overrides)):
+                pass
+        except ConfigError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    while store.get_file_info(path).type == pafs.FileType.NotFound:  # the first driver's write
+        pass
+    with store.open_output_stream(path) as f:  # the second driver's, within the settle time
+        f.write(json.dumps({"host": "other-head", "pid": 77, "started": time.time(),
+                            "lease": "other"}).encode())
+    thread.join()
+    assert len(errors) == 1 and "(pid 77 on other-head, started" in str(errors[0]), errors
+    assert _lease(store, path)["lease"] == "other"  # the refused one deleted nothing
+
+
+
+def test_a_file_uri_run_folder_is_locked_like_a_local_path(tmp_path):
+    """`file://` storage is a local folder to pyarrow: the same flock, beside the folder."""
+    from elastic_train.preflight.runlock import RunLock
+
+    as_uri = load_config(None, [f"run.storage_path=file://{tmp_path}", "run.name=r"])
+    with RunLock(load_config(None, [f"run.storage_path={tmp_path}", "run.name=r"])):
+        with pytest.raises(ConfigError, match=rf"pid {os.getpid()} on"):
+            with RunLock(as_uri):
+                pass
+    assert (tmp_path / ".r.lock").is_file() and not (tmp_path / "r").exists()
