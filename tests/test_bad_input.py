@@ -159,6 +159,59 @@ def corrupt_prepare_json(tmp: Path, data: str) -> str:
     return str(root)
 
 
+def string_tokens(tmp: Path, data: str) -> str:
+    pq.write_table(pa.table({"id": [0, 1], "tokens": [["a", "b"], ["c"]], "length": [2, 1]}),
+                   tmp / "s.parquet")
+    return str(tmp / "s.parquet")
+
+
+def negative_token(tmp: Path, data: str) -> str:
+    pq.write_table(pa.table({"id": [0], "tokens": [[4, -2]], "length": [2]}), tmp / "n.parquet")
+    return str(tmp / "n.parquet")
+
+
+def big_token_ids(tmp: Path, data: str) -> str:
+    """A data set of its own (no `_prepare.json`) whose largest token id is 50000."""
+    tokens = [[1, 50000], *[[7]] * 7]
+    pq.write_table(pa.table({"id": list(range(8)), "tokens": pa.array(tokens, pa.list_(pa.int32())),
+                             "length": pa.array([len(t) for t in tokens], pa.int32())}),
+                   tmp / "big.parquet", row_group_size=1)  # the 8 row groups a run needs
+    return str(tmp / "big.parquet")
+
+
+def unfinished_prepare(tmp: Path, data: str) -> str:
+    """prepare's shards without `_prepare.json` (written last): a prepare that was killed."""
+    import shutil
+
+    shutil.copytree(data, tmp / "half")
+    (tmp / "half" / "_prepare.json").unlink()
+    return str(tmp / "half")
+
+
+def eval_with_another_tokenizer(tmp: Path, data: str) -> list[str]:
+    """data.path and eval.path prepared with two BPE tokenizers of one size (400), trained on
+    different text: the same size, other ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from elastic_train.data.prepare import prepare
+
+    text = tmp / "text.txt"
+    text.write_text("\n\n".join(f"paragraph {j} of some text " * 6 for j in range(40)))
+    sets = []
+    for name, corpus in (("a", "textwrap.py"), ("b", "shlex.py")):
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<pad>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=False)
+        tokenizer.train([str(Path(os.__file__).parent / corpus)], trainer)
+        tokenizer.save(str(tmp / f"{name}.json"))
+        prepare([text], tmp / f"set_{name}", max_seq_len=128, rows_per_shard=16,
+                tokenizer=tmp / f"{name}.json")
+        sets.append(tmp / f"set_{name}")
+    return [f"data.path={sets[0]}", f"eval.path={sets[1]}"]
+
+
 def resume(*overrides: str, before: Callable[[Path], None] | None = None):
     def make(tmp: Path, data: str) -> list[str]:
         run = resumable_run(tmp / "runs", data, "t")
@@ -337,6 +390,19 @@ CASES = [
     Case("data.path holds no shards", data_case(empty_folder), "contains no .parquet files"),
     Case("truncated shard", data_case(truncated), "part-00001.parquet"),
     Case("shard without tokens", data_case(no_tokens_column), "tokens"),
+    Case("tokens that are strings", data_case(string_tokens),
+         "s.parquet': column 'tokens' must be a list of integer token ids, not list<element: string>"),
+    Case("negative token id", data_case(negative_token), "n.parquet': column 'tokens' holds the "
+         "negative token id -2"),
+    Case("token ids beyond the model's vocabulary, no _prepare.json",
+         data_case(big_token_ids, "model.vocab_size=256"),
+         "embedding has 256 rows but data set"),
+    Case("unfinished prepare output", data_case(unfinished_prepare),
+         "is an unfinished prepare output: its shards have prepare's columns"),
+    Case("eval.path is the training set", train_with(lambda tmp, d: [f"eval.path={d}"]),
+         "of the training set data.path"),
+    Case("eval.path tokenized with another tokenizer of the same size",
+         train_with(eval_with_another_tokenizer), "was tokenized with another tokenizer (vocabulary"),
     Case("ids repeated across shards", data_case(lambda tmp, d: dataset(tmp / "rep", [0, 1, 2], [2, 3])),
          "sample id 2 appears more than once"),
     Case("negative id", data_case(lambda tmp, d: dataset(tmp / "neg", [0, 1], [2, -3])),
@@ -785,3 +851,19 @@ def test_a_resume_keeps_the_batch_sizes_its_run_derived(tmp_path, held_out_datas
     check_inputs(resumed)
     assert (resumed.data.micro_batch_tokens, resumed.data.global_batch_tokens) == (
         saved["micro_batch_tokens"], saved["global_batch_tokens"])
+
+
+@pytest.mark.unit
+def test_a_data_set_of_its_own_sizes_the_vocabulary_from_its_token_statistics(tmp_path):
+    """No `_prepare.json`: the largest token id comes from the Parquet statistics of `tokens`
+    (the model was 256 wide and the first batch failed on a worker); below 256 it stays 256."""
+    from elastic_train.config import load_config
+    from elastic_train.data.dataset import inspect_dataset
+    from elastic_train.preflight.inputs import fill_from_dataset
+
+    big = big_token_ids(tmp_path, "")
+    assert inspect_dataset(big).max_token_id == 50000
+    for path, vocab in ((big, 50001), (dataset(tmp_path / "small", list(range(8))), 256)):
+        cfg = load_config(None, [*TINY, f"data.path={path}"])
+        fill_from_dataset(cfg, inspect_dataset(path))
+        assert cfg.model.vocab_size == vocab

@@ -22,6 +22,7 @@ from elastic_train.data.rowgroups import BlockTable, build_block_table
 from elastic_train.data.tokenizer import BYTE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer
 
 REQUIRED_COLUMNS = ("id", "tokens", "length")
+PREPARE_COLUMNS = ("source", "offset", "doc")  # what prepare writes beside them
 
 
 STATS_FILE = "_prepare.json"
@@ -92,6 +93,11 @@ def _check_schema(schema: pa.Schema, file: str) -> None:
     if not pa.types.is_integer(length_type):
         raise ValueError(f"dataset file '{file}': column 'length' must be an integer type, "
                          f"not {length_type}")
+    tokens_type = schema.field("tokens").type
+    if not (pa.types.is_list(tokens_type) or pa.types.is_large_list(tokens_type)) or \
+            not pa.types.is_integer(tokens_type.value_type):
+        raise ValueError(f"dataset file '{file}': column 'tokens' must be a list of integer "
+                         f"token ids, not {tokens_type}")
 
 
 def _max_length(parquet: pq.ParquetFile) -> int:
@@ -111,6 +117,24 @@ def _max_length(parquet: pq.ParquetFile) -> int:
         else:
             best = max(best, int(stats.max))
     return best
+
+
+def _token_range(parquet: pq.ParquetFile) -> tuple[int, int] | None:
+    """Smallest and largest token id in a file, from the row-group statistics of `tokens`
+    (None where a row group has none: the workers' check of each batch stays)."""
+    metadata, low, high = parquet.metadata, None, None
+    for group in range(metadata.num_row_groups):
+        row_group = metadata.row_group(group)
+        if row_group.num_rows == 0:
+            continue
+        column = next(row_group.column(i) for i in range(row_group.num_columns)
+                      if row_group.column(i).path_in_schema.startswith("tokens."))
+        stats = column.statistics
+        if stats is None or not stats.has_min_max:
+            return None
+        low = int(stats.min) if low is None else min(low, int(stats.min))
+        high = int(stats.max) if high is None else max(high, int(stats.max))
+    return None if low is None else (low, high)
 
 
 def _int_or_none(mapping: dict, key: str) -> int | None:
@@ -178,6 +202,7 @@ def inspect_dataset(path: str) -> DatasetInfo:
     files = _list_parquet_files(fs, root, str(path))
     rows, max_length = 0, 0
     columns: list[str] | None = None
+    token_ids: list[tuple[int, int] | None] = []
     for file in files:
         try:
             with fs.open_input_file(file) as handle:
@@ -187,13 +212,24 @@ def inspect_dataset(path: str) -> DatasetInfo:
                 rows += parquet.metadata.num_rows
                 max_length = max(max_length, _max_length(parquet))
                 columns = [name for name in columns or schema.names if name in schema.names]
+                token_ids.append(_token_range(parquet))
         except (pa.ArrowException, OSError) as exc:  # truncated, not Parquet, unreadable
             detail = " ".join(str(exc).split())
             raise ValueError(f"dataset file '{file}' is not a readable Parquet file: {detail}") from None
+        if token_ids[-1] is not None and token_ids[-1][0] < 0:
+            raise ValueError(f"dataset file '{file}': column 'tokens' holds the negative token "
+                             f"id {token_ids[-1][0]}")
     if rows == 0:
         raise ValueError(f"dataset '{path}' is empty: its Parquet files hold no rows")
     is_folder = fs.get_file_info(root).type == pafs.FileType.Directory
     recorded = _recorded(fs, root) if is_folder else {}
+    if is_folder and recorded["tokenizer_kind"] is None and set(PREPARE_COLUMNS) <= set(columns):
+        raise ValueError(f"dataset '{path}' is an unfinished prepare output: its shards have "
+                         f"prepare's columns ({', '.join(PREPARE_COLUMNS)}) but it has no "
+                         f"{STATS_FILE}, which prepare writes last; prepare it again into an "
+                         "empty folder")
+    if recorded.get("max_token_id") is None and token_ids and None not in token_ids:
+        recorded["max_token_id"] = max(high for _, high in token_ids)  # a data set of its own
     return DatasetInfo(path=root, filesystem=fs, files=files, rows=rows, max_length=max_length,
                        columns=tuple(columns or ()), **recorded)
 

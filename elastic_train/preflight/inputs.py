@@ -29,6 +29,7 @@ from elastic_train.data.dataset import (
     dataset_blocks,
     extra_columns,
     inspect_dataset,
+    load_dataset_tokenizer,
 )
 from elastic_train.data.horizon import Horizon, plan_horizon
 from elastic_train.data.plan import StreamSpec
@@ -43,7 +44,12 @@ from elastic_train.preflight.checks import (
 )
 from elastic_train.preflight.resolve import resolve_config
 from elastic_train.preflight.resume import check_resumable, keep_batch_sizes
-from elastic_train.preflight.vocab import check_model_tokenizer
+from elastic_train.preflight.vocab import (
+    check_model_tokenizer,
+    vocabulary,
+    vocabulary_difference,
+    vocabulary_hash,
+)
 from elastic_train.training.checkpoint import model_signature
 from elastic_train.training.memory import (
     RAY_MEMORY_THRESHOLD,
@@ -260,9 +266,10 @@ def fill_from_dataset(cfg: Config, info: DatasetInfo, eval_info: DatasetInfo | N
     if cfg.data.pad_id is None:
         cfg.data.pad_id = info.pad_id if info.pad_id is not None else 0
     if cfg.model.vocab_size is None and cfg.model.name != "hf":
-        # a tokenizer may report fewer tokens than its largest id: the larger of the two
+        # a tokenizer may report fewer tokens than its largest id: the larger of the two (a
+        # data set of its own records no tokenizer: bytes, or more where its ids say so)
         largest = max((i.max_token_id or -1) for i in (info, eval_info) if i is not None)
-        cfg.model.vocab_size = max(info.vocab_size or 0, largest + 1) or BYTE_VOCAB
+        cfg.model.vocab_size = max(info.vocab_size or BYTE_VOCAB, largest + 1)
 
 
 def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
@@ -292,6 +299,8 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
             raise ConfigError(missing)
     check_compile_cache(cfg)
     check_model_tokenizer(cfg, info)
+    if cfg.eval.path:
+        check_eval_set(info, tables.eval_info)
     check_model_fits_data(cfg, info, model)
     if tables.eval_info is not None:
         check_model_fits_data(cfg, tables.eval_info, model)
@@ -300,6 +309,32 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
     check_reduce(cfg, saved)
     check_model_memory(cfg, model, saved)
     return info
+
+
+def check_eval_set(info: DatasetInfo, eval_info: DatasetInfo) -> None:
+    """eval.path is a data set apart from data.path, tokenized as it is: no Parquet file of the
+    training set (its loss would measure what the model memorised), and where both keep a
+    tokenizer copy, vocabularies that agree (two tokenizers of one size pass the size check;
+    their ids mean other tokens)."""
+    shared = sorted(set(info.files) & set(eval_info.files))
+    if shared:
+        raise ConfigError(f"eval.path: data set {eval_info.path} holds {len(shared)} Parquet "
+                          f"file(s) of the training set data.path (e.g. {shared[0]}): the "
+                          "evaluation would measure what the model trained on; hold documents "
+                          "out with prepare --eval-fraction, or name another set")
+    if info.tokenizer_path is None or eval_info.tokenizer_path is None:
+        return
+    try:
+        ours, theirs = (vocabulary(load_dataset_tokenizer(i)) for i in (info, eval_info))
+    except ValueError as exc:
+        raise ConfigError(f"eval.path: {exc}") from None
+    why = None if ours == theirs or None in (ours, theirs) else vocabulary_difference(ours, theirs)
+    if why is not None:
+        raise ConfigError(
+            f"eval.path: data set {eval_info.path} was tokenized with another tokenizer "
+            f"(vocabulary {vocabulary_hash(theirs)}) than data.path (vocabulary "
+            f"{vocabulary_hash(ours)}): {why}; its loss would mean nothing. Prepare it again "
+            f"with --tokenizer {info.tokenizer_path}")
 
 
 def check_model_memory(cfg: Config, model: torch.nn.Module, saved: dict[str, Any] | None) -> None:
