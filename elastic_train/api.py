@@ -46,7 +46,7 @@ from elastic_train.config import Config
 from elastic_train.data.dataset import DatasetInfo
 from elastic_train.observe import provenance
 from elastic_train.observe.progress import Progress
-from elastic_train.observe.runfolder import run_uri, split_uri
+from elastic_train.observe.runfolder import run_uri, split_uri, upload_staging
 from elastic_train.observe.summary import build_summary
 from elastic_train.preflight.finished import finished_message, finished_run
 from elastic_train.preflight.inputs import check_inputs, data_tables, run_horizon
@@ -155,8 +155,11 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
                                 pg_cleaner=not local or cfg.run.dashboard)
         startup["fit_call"] = time.time()
         ray.get(runlog.log_event.remote({"event": "fit_start", "driver_startup": startup}))
+        upload = (functools.partial(upload_staging, folder, run_uri(cfg))
+                  if "://" in run_uri(cfg) else None)
         outcome = _fit(cfg, trainer, runlog, progress, local, stop,
-                       functools.partial(_stopped_summary, cfg, folder, start, record))
+                       functools.partial(_stopped_summary, cfg, folder, start, record),
+                       functools.partial(_end_without_cluster, upload=upload))
         fatal = ray.get(runlog.progress.remote())["fatal"]
         summary = build_summary(folder, start_time=start, error=fatal or outcome.error,
                                 limits=(cfg.train.max_steps, cfg.train.epochs))
@@ -208,12 +211,13 @@ class _Outcome:
 
 
 def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals,
-         stopped_summary: Callable[[str], str]) -> _Outcome:
+         stopped_summary: Callable[[str], str],
+         end_without_cluster: Callable[[str, str], None]) -> _Outcome:
     """trainer.fit(), with the driver's threads around it: progress, the run watch (a line
     per failure; the wait for workers bounded), the node watcher of an elastic run, CPU
     priorities. Ray Train's resource request is withdrawn as soon as the fit is over. On a
-    local cluster, SIGTERM writes `stopped_summary(signal)` at once, and ends the process if
-    the cluster went down with it (runwatch.SignalWatch)."""
+    local cluster, SIGTERM writes `stopped_summary(signal)` at once, and ends the process
+    (`end_without_cluster`) if the cluster went down with it (runwatch.SignalWatch)."""
     outcome = _Outcome()
     if progress is not None:
         progress.start(runlog, poll=functools.partial(poll_progress, runlog))
@@ -225,7 +229,7 @@ def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals,
     watcher = NodeWatcher().start() if elastic else None
     train_first = TrainFirst().start() if local and cfg.run.train_first else None
     signals = SignalWatch(cluster_processes() if local else [], stopped_summary,
-                          _end_without_cluster).start()
+                          end_without_cluster).start()
     try:
         result = trainer.fit()
         outcome.checkpoint_path = result.checkpoint.path if result.checkpoint else None
@@ -258,14 +262,15 @@ def _stopped_summary(cfg: Config, folder: str, start: float, record: dict[str, A
     """A "stopped" summary.json from the run folder's files, and the last attempt's `end`, written
     by the driver itself (runwatch.SignalWatch) for when the signal took the local cluster, and
     the RunLog actor with it, down too: the ordinary stop path replaces both with the RunLog's.
-    Local storage only (the RunLog wrote every record straight into the folder; a remote run
-    folder's staging copy is the RunLog's), and only for an accepted run (one that never began
-    leaves the folder as it was). Returns what it did, for the closing line."""
+    `folder` is the run folder, or a remote run's staging copy (on this machine: the RunLog
+    runs on the driver's node), which `_end_without_cluster` uploads once the RunLog is gone.
+    Only for an accepted run (one that never began leaves the folder as it was). Returns what
+    it did, for the closing line."""
     from elastic_train.observe.runfolder import CONFIG_FILE, PENDING
 
     path = Path(folder)
     accepted = (path / CONFIG_FILE).is_file() and not list(path.glob("*" + PENDING))
-    if "://" in run_uri(cfg) or not accepted or not (path / "attempts.json").is_file():
+    if not accepted or not (path / "attempts.json").is_file():
         return ""
     try:
         summary = build_summary(folder, start_time=start, error=None,
@@ -278,14 +283,17 @@ def _stopped_summary(cfg: Config, folder: str, start: float, record: dict[str, A
         _write_atomically(path / "summary.json", json.dumps(summary, indent=2))
     except (OSError, ValueError) as exc:
         return f": summary.json not written ({exc})"
-    return ": summary.json written from the run folder"
+    return ": summary.json written from the run folder" + ("" if "://" not in run_uri(cfg) else
+                                                          "'s staging copy")
 
 
-def _end_without_cluster(signal_name: str, written: str) -> None:
+def _end_without_cluster(signal_name: str, written: str,
+                         upload: Callable[[], None] | None = None) -> None:
     """The signal that stopped the driver stopped its local Ray cluster too: no call to Ray can
     return (the driver's would wait 60 s for its GCS, then the process dies). The summary is
     written already (`_stopped_summary`: `written` says how it went); what is left of the
-    cluster is ended, the process says so and exits at once, 128 + the signal."""
+    cluster is ended, a remote run's staging copy `upload`ed (the RunLog that would have is
+    gone), the process says so and exits at once, 128 + the signal."""
     import signal as signals
 
     try:  # what is left of the cluster (the raylet's agents): it is going down, end it whole
@@ -293,6 +301,12 @@ def _end_without_cluster(signal_name: str, written: str) -> None:
             process.kill()
     except psutil.Error:
         pass
+    if upload is not None and written:
+        try:
+            upload()
+            written += " and uploaded"
+        except OSError as exc:
+            written += f" but not uploaded ({exc})"
     print(f"stopped by {signal_name}; the local Ray cluster went down with the driver{written}",
           file=sys.stderr, flush=True)
     sys.stdout.flush()

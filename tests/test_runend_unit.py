@@ -389,3 +389,50 @@ def test_a_file_uri_run_folder_is_locked_like_a_local_path(tmp_path):
             with RunLock(as_uri):
                 pass
     assert (tmp_path / ".r.lock").is_file() and not (tmp_path / "r").exists()
+
+
+def test_a_remote_runs_stopped_summary_is_written_to_its_staging_copy_and_uploaded(tmp_path,
+                                                                                  monkeypatch):
+    """SIGTERM to a local run's whole group with an `s3://` run folder: the RunLog that uploads
+    the staging copy went down with the cluster, so the driver writes the stopped summary and
+    the attempt's end into that copy, and uploads it as it exits (here to pyarrow's mock://
+    store; the exit is a process of its own)."""
+    import functools
+    import subprocess
+
+    from elastic_train import api
+    from elastic_train.observe import runfolder
+
+    store, _ = pafs.FileSystem.from_uri("mock:///runs")
+    monkeypatch.setattr(runfolder, "split_uri", lambda uri: (store, "runs/r", False))
+    cfg = load_config(None, ["run.storage_path=mock:///runs", "run.name=r"])
+    staging, start = tmp_path / "staging", time.time()
+    staging.mkdir()
+    (staging / "config.yaml").write_text(cfg.to_yaml())
+    (staging / "attempts.json").write_text(json.dumps([{"attempt": 0, "world_size": 2,
+                                                        "start_time": start + 1}]))
+    (staging / "metrics.jsonl").write_text(json.dumps(
+        {"step": 1, "epoch": 0, "time": start + 2, "attempt": 0, "world_size": 2, "loss": 5.0,
+         "lr": 1e-3, "real_tokens": 100, "padded_tokens": 120, "step_time_s": 0.5,
+         "data_wait_s": 0.01, "tokens_per_s": 200.0, "skipped_steps": 0}) + "\n")
+    written = api._stopped_summary(cfg, str(staging), start, {}, "SIGTERM")
+    assert written == ": summary.json written from the run folder's staging copy"
+    functools.partial(runfolder.upload_staging, str(staging), runfolder.run_uri(cfg))()
+    with store.open_input_stream("runs/r/summary.json") as f:
+        summary = json.loads(f.read())
+    with store.open_input_stream("runs/r/attempts.json") as f:
+        attempts = json.loads(f.read())
+    assert (summary["status"], summary["reason"], summary["steps"]) == ("stopped",
+                                                                       "stopped by SIGTERM", 1)
+    assert attempts[-1]["end"]["cause"] == "stopped"
+
+    exiting = subprocess.run(  # the driver's exit: the upload, then the line, then 143
+        [sys.executable, "-c",
+         "from elastic_train import api\n"
+         "def upload(): print('uploading', flush=True)\n"
+         "api._end_without_cluster('SIGTERM', ': summary.json written', upload=upload)\n"],
+        capture_output=True, text=True, timeout=120)
+    assert exiting.returncode == 143, exiting.stderr
+    assert exiting.stdout == "uploading\n"
+    assert exiting.stderr.strip() == ("stopped by SIGTERM; the local Ray cluster went down with "
+                                      "the driver: summary.json written and uploaded")

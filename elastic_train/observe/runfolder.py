@@ -163,5 +163,17 @@ class RunFolder:
     def sync(self) -> None:
         """Upload the staging copy (remote storage only; nothing once discarded)."""
         if not self.is_local and not self.discarded:
-            self.fs.create_dir(self.remote_path, recursive=True)
-            pafs.copy_files(str(self.local), self.remote_path, destination_filesystem=self.fs)
+            upload_copy(str(self.local), self.fs, self.remote_path)
+
+
+def upload_copy(local: str, fs: pafs.FileSystem, remote_path: str) -> None:
+    """A remote run folder's staging copy `local`, uploaded over it (every file the copy holds:
+    the RunLog's, never the workers')."""
+    fs.create_dir(remote_path, recursive=True)
+    pafs.copy_files(local, remote_path, destination_filesystem=fs)
+
+
+def upload_staging(local: str, run: str) -> None:
+    """`upload_copy` of the staging copy `local` to run folder URI `run`."""
+    fs, remote_path, _ = split_uri(run)
+    upload_copy(local, fs, remote_path)
