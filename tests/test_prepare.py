@@ -595,3 +595,87 @@ def test_bad_input_gives_one_clear_error_naming_the_culprit(case, tmp_path, caps
     for part in named:
         assert part in captured.err
     assert not out.exists()
+
+
+def no_ray(num_cpus):
+    raise AssertionError("Ray was started")
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder`, by relative path, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("leftover", ["eval", "tokenizer", "_prepare.json"])
+def test_an_output_holding_an_earlier_prepares_files_is_refused_by_name(leftover, tmp_path,
+                                                                        bpe_tokenizer, monkeypatch):
+    """An earlier prepare's folder whose top-level shards were removed: its `eval/` (another
+    corpus's held-out rows), `tokenizer/` or `_prepare.json` would be read with the new shards.
+    Refused naming what was found and how to go on; nothing there is changed."""
+    from elastic_train.cluster import prepare_ray as prepare_ray_module
+
+    monkeypatch.setattr(prepare_ray_module, "_ray_cluster", no_ray)
+    write_inputs(tmp_path / "in")
+    out = tmp_path / "out"
+    prepare([tmp_path / "in"], out, max_seq_len=32, eval_fraction=0.3, tokenizer=bpe_tokenizer)
+    for path in out.glob("*.parquet"):
+        path.unlink()
+    for name in {"eval", "tokenizer", "_prepare.json"} - {leftover}:
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    before = snapshot(out)
+    for run in (prepare, prepare_ray_module.prepare_ray):  # refused before Ray starts
+        with pytest.raises(ValueError, match="earlier prepare") as info:
+            run([tmp_path / "in"], out, max_seq_len=32)
+        message = str(info.value)
+        assert str(out) in message and leftover in message and "another --output" in message
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("case", ["same", "output inside input", "input inside output"])
+def test_an_output_that_is_or_nests_an_input_is_refused_naming_both(case, tmp_path, monkeypatch):
+    """The shards would land among the inputs (or the inputs among the shards), and a later
+    prepare of that folder would read them as its input. Refused before anything is written."""
+    from elastic_train.cluster import prepare_ray as prepare_ray_module
+
+    monkeypatch.setattr(prepare_ray_module, "_ray_cluster", no_ray)
+    corpus = tmp_path / "corpus"
+    write_inputs(corpus)
+    inputs, out = {"same": ([corpus], corpus),
+                   "output inside input": ([corpus], corpus / "prepared"),
+                   "input inside output": ([corpus / "pkg"], corpus)}[case]
+    before = snapshot(corpus)
+    for run in (prepare, prepare_ray_module.prepare_ray):
+        with pytest.raises(ValueError, match="--output") as info:
+            run(inputs, out, max_seq_len=32)
+        assert f"'{out}'" in str(info.value) and f"'{inputs[0]}'" in str(info.value)
+    assert snapshot(corpus) == before and not (corpus / "prepared").exists()
+
+
+def test_a_folder_of_shards_and_text_files_is_ambiguous(tmp_path):
+    """Prepared shards beside new text files: neither re-chunking (which would skip the text)
+    nor tokenizing (which would read the shards as records) is meant; refused naming both."""
+    write_inputs(tmp_path / "in")
+    prepare([tmp_path / "in"], tmp_path / "data", max_seq_len=32)
+    (tmp_path / "data" / "more.txt").write_text("new text the user added\n")
+    with pytest.raises(ValueError, match="both") as info:
+        prepare([tmp_path / "data"], tmp_path / "v2", max_seq_len=32)
+    assert f"'{tmp_path / 'data'}'" in str(info.value) and "more.txt" in str(info.value)
+    assert not (tmp_path / "v2").exists()
+
+
+@pytest.mark.parametrize("option", ["tokenizer", "seed", "max_seq_len", "eval_fraction"])
+def test_re_chunking_refuses_the_options_it_does_not_honour(option, tmp_path, bpe_tokenizer):
+    """Re-chunking keeps the rows, ids, tokens and held-out split as they are: a tokenizer, a
+    seed, a max_seq_len shorter than the rows or another held-out fraction would be silently
+    ignored, so each is refused by name; rows_per_block, what it does, goes through."""
+    write_inputs(tmp_path / "in")
+    prepare([tmp_path / "in"], tmp_path / "data", max_seq_len=64, eval_fraction=0.3)
+    given = {"tokenizer": bpe_tokenizer, "seed": 3, "max_seq_len": 16,
+             "eval_fraction": 0.1}[option]
+    with pytest.raises(ValueError, match="re-chunk") as info:
+        prepare([tmp_path / "data"], tmp_path / "re", rows_per_block=3, **{option: given})
+    assert f"--{option.replace('_', '-')}" in str(info.value)
+    assert not (tmp_path / "re").exists()
+    stats = prepare([tmp_path / "data"], tmp_path / "re", rows_per_block=3, max_seq_len=64,
+                    eval_fraction=0.3)
+    assert stats["rows_per_block"] == 3 and stats["rechunked_from"] == str(tmp_path / "data")

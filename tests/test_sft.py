@@ -245,3 +245,115 @@ def test_the_ray_engine_stages_carry_the_reasons_for_dropping(tmp_path):
     counts = SftCounts(*(record[k] for k in ("examples", "truncated", "dropped", "no_answer",
                                              "long_prompt")))
     assert (counts.examples, counts.dropped, counts.no_answer, counts.long_prompt) == (2, 2, 1, 1)
+
+
+@pytest.mark.unit
+def test_plain_text_rows_beside_examples_in_one_file_are_all_kept(tmp_path, chat_tokenizer):
+    """A Parquet file (or JSONL lines) of one union schema: plain-text rows have null prompt and
+    response (or a null messages list), example rows a null text. Every record gives its row:
+    the plain texts all targets, the examples masked (none silently dropped)."""
+    texts = ["plain document one " * 3, "plain document two " * 3]
+    pq.write_table(pa.table({"text": [*texts, None], "prompt": [None, None, "Q?"],
+                             "response": [None, None, " yes"]}), tmp_path / "pairs.parquet")
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    pq.write_table(pa.table({"text": pa.array([*texts, None]),
+                             "messages": pa.array([None, None, chat], pa.list_(message))}),
+                   tmp_path / "chat.parquet")
+    write_jsonl(tmp_path / "mixed.jsonl", [{"text": texts[0], "prompt": None, "response": None},
+                                           {"text": None, "prompt": "Q?", "response": " yes"},
+                                           {"text": texts[1], "messages": None}])
+    tok = load_tokenizer(chat_tokenizer)
+    for name in ("pairs.parquet", "chat.parquet", "mixed.jsonl"):
+        stats = prepare([tmp_path / name], tmp_path / f"out-{name}", tokenizer=chat_tokenizer,
+                        max_seq_len=64, eval_fraction=0.0)
+        rows = rows_of(tmp_path / f"out-{name}")
+        assert stats["rows"] == len(rows) == 3 and stats["sft"]["examples"] == 1, name
+        plain = sorted(tok.decode(row["tokens"]) for row in rows if all(row["loss_mask"]))
+        assert plain == sorted(text + EOS for text in texts), name
+
+
+def write_chat_tokenizer(folder: Path, bpe_tokenizer: str, template: str) -> Path:
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(Path(bpe_tokenizer).read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": EOS, "pad_token": "<pad>", "chat_template": template}))
+    return folder
+
+
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+                   "{{ raise_exception('Unknown role ' + m.role) }}{% endif %}"
+                   "<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
+                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_conversation_the_template_refuses_is_named_by_file_and_line(tmp_path, bpe_tokenizer,
+                                                                       capsys, kind):
+    """The template raises on a 'tool' turn in the third record: one error line naming the file
+    and the record's line (JSONL) or row (Parquet), nothing written."""
+    tok = write_chat_tokenizer(tmp_path / "tok", bpe_tokenizer, STRICT_TEMPLATE)
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    bad = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"},
+           {"role": "assistant", "content": "ok"}]
+    chats = [good, good, bad, good]
+    if kind == "jsonl":
+        path, where = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in chats]), "line 3"
+    else:
+        path, where = tmp_path / "chat.parquet", "row 2"
+        pq.write_table(pa.table({"messages": chats}), path, row_group_size=2)
+    status = cli_main(["prepare", str(path), "--output", str(tmp_path / "o"), "--tokenizer",
+                       str(tok), "--engine", "local"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("error: ")
+    assert f"'{path}' {where}" in err[0] and "Unknown role tool" in err[0]
+    assert not (tmp_path / "o").exists()
+    # The Ray engine's driver finds the same message when a task fails on the file.
+    from elastic_train.cluster.prepare_ray import _local_error
+    from elastic_train.data.sft import RecordFields
+
+    found = _local_error(path, load_tokenizer(tok), 512, RecordFields())
+    assert found is not None and f"error: {found}" == err[0]
+
+
+@pytest.mark.unit
+def test_a_chat_template_that_does_not_compile_is_one_error_line(tmp_path, bpe_tokenizer,
+                                                                 capsys):
+    """A jinja2 syntax error in the template (TemplateSyntaxError, not a ValueError): one error
+    line naming the template's tokenizer and the first record that needed it, not a traceback."""
+    tok = write_chat_tokenizer(tmp_path / "tok", bpe_tokenizer, "{% for m in messages %}oops")
+    path = write_jsonl(tmp_path / "chat.jsonl", [
+        {"prompt": "Q?", "response": " yes"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    status = cli_main(["prepare", str(path), "--output", str(tmp_path / "o"), "--tokenizer",
+                       str(tok), "--engine", "local"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert f"'{path}' line 2" in err[0] and "chat template" in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.unit
+def test_a_template_gets_the_tokenizers_special_tokens_as_transformers_gives_them(
+        tmp_path, bpe_tokenizer):
+    """A template that writes `{{ bos_token }}` (Llama 3's does): the row is the rendering that
+    transformers' apply_chat_template makes with the same tokenizer folder, BOS included."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(Path(bpe_tokenizer).read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<pad>", "eos_token": EOS, "pad_token": "<pad>",
+         "tokenizer_class": "PreTrainedTokenizerFast",
+         "chat_template": "{{ bos_token }}" + CHAT_TEMPLATE}))
+    messages = [{"role": "user", "content": "Capital of France?"},
+                {"role": "assistant", "content": "Paris."}]
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    prepare([tmp_path / "chat.jsonl"], tmp_path / "out", tokenizer=folder, max_seq_len=128)
+    (row,) = rows_of(tmp_path / "out")
+    reference = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    rendered = reference.apply_chat_template(messages, tokenize=False)
+    assert rendered.startswith("<pad><|user|>")
+    assert load_tokenizer(folder).decode(row["tokens"]) == rendered
+    assert row["tokens"][0] == 1 and row["loss_mask"][0] == 0  # "<pad>", id 1, no target

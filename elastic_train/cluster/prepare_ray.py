@@ -91,7 +91,9 @@ from elastic_train.data.pieces import (
 from elastic_train.data.prepare import (
     _check_arguments,
     _check_output_free,
+    check_output_apart,
     folder_stats,
+    refuse_leftovers,
 )
 from elastic_train.data.rowgroups import auto_rows_per_block
 from elastic_train.data.sft import SFT_COUNTS, RecordFields, SftCounts
@@ -210,7 +212,9 @@ def _task_groups(pieces: list[dict], num_cpus: int) -> list[dict]:
 def _local_error(file: Path, tokenizer: Tokenizer, max_seq_len: int, text_field: RecordFields
                  ) -> ValueError | None:
     """The ValueError the single-process prepare raises for `file`, found by reading it here
-    (only once a task has failed on it: its message names the file as given and the line)."""
+    (only once a task has failed on it: its message names the file as given and the line or
+    row). Its records are read first (cheap: no tokenizing); only when they are all sound is
+    the file gathered whole, for an error of the chat template, which names its record too."""
     suffix = file.suffix.lower()
     try:
         if suffix == ".jsonl":
@@ -219,8 +223,7 @@ def _local_error(file: Path, tokenizer: Tokenizer, max_seq_len: int, text_field:
         elif suffix == ".parquet":
             for _ in iter_parquet_records(file, text_field):
                 pass
-        else:
-            gather_rows([file], tokenizer, max_seq_len, text_field)
+        gather_rows([file], tokenizer, max_seq_len, text_field)
     except ValueError as exc:
         return exc
     return None
@@ -228,7 +231,7 @@ def _local_error(file: Path, tokenizer: Tokenizer, max_seq_len: int, text_field:
 
 def _output_location(output: PathLike) -> tuple[pafs.FileSystem, str, str]:
     """The output's filesystem, its path inside it, and the string tasks resolve it from.
-    Refuses (ValueError) a file, or a folder already holding Parquet files."""
+    Refuses (ValueError) a file, or a folder already holding what a prepare writes."""
     shown = str(output)
     if not shown.strip():
         raise ValueError("--output: an empty path")
@@ -240,10 +243,9 @@ def _output_location(output: PathLike) -> tuple[pafs.FileSystem, str, str]:
     info = fs.get_file_info(root)
     if info.type == pafs.FileType.File:
         raise ValueError(f"output '{shown}' exists and is not a folder")
-    if info.type == pafs.FileType.Directory and any(
-            entry.base_name.endswith(".parquet")
-            for entry in fs.get_file_info(pafs.FileSelector(root, recursive=False))):
-        raise ValueError(f"output '{shown}' already contains Parquet files; refusing to overwrite")
+    if info.type == pafs.FileType.Directory:
+        refuse_leftovers(shown, [entry.base_name for entry in
+                                 fs.get_file_info(pafs.FileSelector(root, recursive=False))])
     return fs, root, shown
 
 
@@ -426,6 +428,8 @@ def prepare_ray(
     """
     _check_arguments(max_seq_len, rows_per_shard, rows_per_block, seed, eval_fraction)
     fs, root, target = _output_location(output)
+    if "://" not in str(output):
+        check_output_apart(inputs, Path(output))
     if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
         tokenizer = load_tokenizer(tokenizer)
     skipped: list[tuple[Path, str]] = []

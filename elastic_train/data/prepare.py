@@ -36,7 +36,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -169,17 +169,21 @@ def prepare(
     then `output/_prepare.json` (last: its presence means the whole is written), and returns
     the stats written there. Text files that look binary are skipped with a warning that counts
     them. Raises ValueError naming the culprit if the tokenizer does not load, an input is
-    missing or malformed, no text is found, or `output` is empty or already contains Parquet
-    files.
+    missing or malformed, no text is found, `output` is empty, already holds files of a prepare
+    (`refuse_leftovers`), is an input or nests with one (`check_output_apart`), or when a
+    re-chunk is asked options it does not honour (`rechunk.check_rechunk`).
     """
     _check_arguments(max_seq_len, rows_per_shard, rows_per_block, seed, eval_fraction)
     if not str(output).strip():
         raise ValueError("--output: an empty path")
     out = Path(output)
     _check_output_free(out)
-    from elastic_train.data.rechunk import is_token_dataset, rechunk
+    check_output_apart(inputs, out)
+    from elastic_train.data.rechunk import check_rechunk, is_token_dataset, rechunk
 
     if is_token_dataset(inputs, text_field):  # tokenized already: only new row groups
+        check_rechunk(inputs[0], tokenizer=tokenizer, seed=seed, max_seq_len=max_seq_len,
+                      eval_fraction=eval_fraction)
         return rechunk(inputs[0], out, rows_per_block)
     if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
         tokenizer = load_tokenizer(tokenizer)
@@ -238,11 +242,43 @@ def _check_arguments(max_seq_len: int, rows_per_shard: int, rows_per_block: int 
 
 
 def _check_output_free(output: Path) -> None:
-    """Refuse an output that is a file or already holds Parquet data."""
+    """Refuse an output that is a file or already holds what a prepare writes."""
     if output.exists() and not output.is_dir():
         raise ValueError(f"output '{output}' exists and is not a folder")
-    if output.is_dir() and any(output.glob("*.parquet")):
-        raise ValueError(f"output '{output}' already contains Parquet files; refusing to overwrite")
+    if output.is_dir():
+        refuse_leftovers(str(output), [entry.name for entry in output.iterdir()])
+
+
+def refuse_leftovers(shown: str, names: Iterable[str]) -> None:
+    """Refuse an output folder whose entries (`names`) include what a prepare writes: shards
+    (*.parquet), `eval/`, `tokenizer/`, `_prepare.json`. Any of them left by an earlier prepare
+    would be read with the new shards (another corpus's held-out rows, a stale tokenizer), and
+    nothing a user saved is deleted here: they say how to go on."""
+    found = sorted(f"{name}/" if name in (EVAL_DIR, TOKENIZER_DIR) else name for name in names
+                   if name.endswith(".parquet") or name in (EVAL_DIR, TOKENIZER_DIR, STATS_FILE))
+    if not found:
+        return
+    what = ("Parquet files" if any(name.endswith(".parquet") for name in found)
+            else "files an earlier prepare wrote")
+    listed = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+    raise ValueError(f"output '{shown}' already contains {what} ({listed}); refusing to "
+                     "overwrite them or mix an earlier prepare's data with new: empty it or "
+                     "give another --output")
+
+
+def check_output_apart(inputs: Sequence[PathLike], output: Path) -> None:
+    """Refuse an output that is an input, lies inside an input folder, or holds an input: the
+    shards would land among the inputs, and a later prepare of that folder would take them for
+    its input (re-chunking them, ignoring the text beside them)."""
+    out = output.expanduser().resolve()
+    for item in inputs:
+        if not str(item).strip():
+            continue  # collect_input_files names it
+        path = Path(item).expanduser().resolve()
+        if out == path or path in out.parents or out in path.parents:
+            how = "is" if out == path else ("lies inside" if path in out.parents else "holds")
+            raise ValueError(f"--output '{output}' {how} input '{item}': the shards would be "
+                             "mixed with the inputs; give an --output outside every input")
 
 
 def stdlib_source_files(max_total_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:

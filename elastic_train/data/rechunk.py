@@ -10,6 +10,7 @@ A held-out set that `prepare --eval-fraction` wrote beside the shards (`eval/`) 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elastic_train.data.dataset import STATS_FILE, TOKENIZER_DIR, inspect_dataset
+from elastic_train.data.heldout import EVAL_DIR
 from elastic_train.data.rowgroups import auto_rows_per_block
+
+logger = logging.getLogger("elastic_train.prepare")
 
 
 def is_token_dataset(inputs, text_field: str) -> bool:
@@ -30,6 +34,44 @@ def is_token_dataset(inputs, text_field: str) -> bool:
         return False
     names = pq.read_schema(files[0]).names
     return {"id", "tokens", "length"} <= set(names) and text_field not in names
+
+
+def check_rechunk(source: str | Path, *, tokenizer, seed: int, max_seq_len: int,
+                  eval_fraction: float) -> None:
+    """Refuse what a re-chunk would silently not do: a folder holding text files beside its
+    shards (re-chunking would skip them), a tokenizer, a seed (rows keep their tokens, ids and
+    order), a max_seq_len shorter than the rows (they are kept whole), a held-out fraction
+    other than the source's split. ValueError naming each; a source without a split keeps none
+    (warned: the CLI's --eval-fraction has a default, so it cannot be told from one given)."""
+    from elastic_train.data.sources import files_under
+
+    folder = Path(source)
+    if folder.is_dir():
+        beside = [file for file in files_under(folder)
+                  if not (file.parent == folder and file.suffix.lower() == ".parquet")
+                  and file.relative_to(folder).parts[0] not in (EVAL_DIR, TOKENIZER_DIR)]
+        if beside:
+            raise ValueError(f"input '{source}' holds both prepared shards (id, tokens, length) "
+                             f"and files to tokenize ('{beside[0]}'{', ...' if beside[1:] else ''})"
+                             ": prepare the new files from a folder of their own")
+    info = inspect_dataset(str(source))
+    split = info.eval_split["fraction"] if info.eval_split else 0.0
+    longest = max(info.max_length, inspect_dataset(info.eval_split["path"]).max_length
+                  if info.eval_split else 0)
+    refused = [f"--tokenizer '{tokenizer}'" if tokenizer is not None else "",
+               f"--seed {seed} (rows keep their ids and order)" if seed else "",
+               f"--max-seq-len {max_seq_len} (rows of up to {longest} tokens are kept whole)"
+               if max_seq_len < longest else "",
+               f"--eval-fraction {eval_fraction} (the held-out split of {split} is kept)"
+               if split and eval_fraction and eval_fraction != split else ""]
+    if any(refused):
+        raise ValueError(f"input '{source}' is tokenized already, so prepare only re-chunks it "
+                         f"(new row groups, --rows-per-block): it would not honour "
+                         f"{', '.join(item for item in refused if item)}; leave them out, or "
+                         "prepare the original text again")
+    if eval_fraction and not split:
+        logger.warning("input '%s' has no held-out split and re-chunking keeps it so: "
+                       "--eval-fraction %s is not applied", source, eval_fraction)
 
 
 def rechunk(source: str | Path, output: str | Path, rows_per_block: int | None) -> dict:

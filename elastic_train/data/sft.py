@@ -11,14 +11,20 @@ dropped. Both are counted (`SftCounts`) and recorded in `_prepare.json` under `s
 
 A record is a fine-tuning example when it holds both `prompt` and `response` fields (names
 settable, `RecordFields`), or a `messages` list of `{role, content}`; otherwise its text field is
-read as plain text (every token a target). Prompt and response are tokenized apart and put back to
-back (no separator is added: put one in the prompt), then the tokenizer's EOS, a target. A
-conversation is rendered with the tokenizer's chat template (the `chat_template` of its
-tokenizer_config.json, rendered with jinja2 as transformers does); each assistant message's
-rendering (from the end of the generation prompt before it to the end of the message, so the
-template's end-of-turn marker is a target too) is a target span; the pieces between are tokenized
-apart, so that the mask falls exactly on span boundaries. A template that does not render a
-conversation as the prefix of its continuation is refused, as is a tokenizer without a template.
+read as plain text (every token a target). A null prompt and response (or null messages) count as
+absent, so that one file of one schema (Parquet has no absent fields, only nulls) may hold plain
+text and examples side by side: each row is whichever it holds, none is dropped (a record holding
+an example and a text too is the example).
+
+Prompt and response are tokenized apart and put back to back (no separator is added: put one in
+the prompt), then the tokenizer's EOS, a target. A conversation is rendered with the tokenizer's
+chat template (the `chat_template` of its tokenizer_config.json, rendered with jinja2 as
+transformers does); each assistant message's rendering (from the end of the generation prompt
+before it to the end of the message, so the template's end-of-turn marker is a target too) is a
+target span; the pieces between are tokenized apart, so that the mask falls exactly on span
+boundaries. A template that does not render a conversation as the prefix of its continuation is
+refused, as is a tokenizer without a template; an error of the template (one that does not
+compile, or raises on a conversation) names the record's file and line or row.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,6 +65,8 @@ class Example:
     prompt: str | None = None
     response: str | None = None
     messages: tuple[dict, ...] | None = None
+    # where it was read ("'file' line N", "'file' row N"): errors of its chat template name it
+    where: str = field(default="", compare=False)
 
 
 # SftCounts' fields, in order: the Ray prepare carries them between its stages as columns
@@ -124,23 +132,24 @@ def _messages(value: Any, where: str, name: str) -> tuple[dict, ...]:
 
 def record_item(record: dict, where: str, fields: RecordFields) -> str | Example | None:
     """A record's content: an `Example` when it holds prompt and response (or messages), else its
-    text (None for a null). ValueError naming `where` for a record with none of them, or one of
-    the wrong type."""
-    if fields.prompt in record and fields.response in record:
-        prompt, response = record[fields.prompt], record[fields.response]
-        if prompt is None and response is None:
-            return None
+    text (None for a null). Null prompt and response, or null messages, count as absent (a
+    union-schema file's plain-text row). ValueError naming `where` for a record with none of
+    the fields, one with only one of prompt and response null, or one of the wrong type."""
+    pair = fields.prompt in record and fields.response in record
+    prompt, response = record.get(fields.prompt), record.get(fields.response)
+    if pair and (prompt is not None or response is not None):
         for name, value in ((fields.prompt, prompt), (fields.response, response)):
             if value is None:  # not an empty string: a broken record, not an example to train
                 raise ValueError(f"{where}: field '{name}' is null (a fine-tuning example needs "
                                  f"both '{fields.prompt}' and '{fields.response}' as strings)")
         return Example(prompt=_string(prompt, where, fields.prompt),
-                       response=_string(response, where, fields.response))
-    if fields.messages in record:
-        if record[fields.messages] is None:
-            return None
-        return Example(messages=_messages(record[fields.messages], where, fields.messages))
+                       response=_string(response, where, fields.response), where=where)
+    if record.get(fields.messages) is not None:
+        return Example(messages=_messages(record[fields.messages], where, fields.messages),
+                       where=where)
     if fields.text not in record:
+        if pair or fields.messages in record:  # an example's fields, all null: a null record
+            return None
         have = ", ".join(map(str, record)) or "none"
         raise ValueError(f"{where} has no field '{fields.text}' (--text-field), nor "
                          f"'{fields.prompt}' and '{fields.response}' (--prompt-field, "
@@ -154,7 +163,9 @@ def record_item(record: dict, where: str, fields: RecordFields) -> str | Example
 
 @functools.lru_cache(maxsize=4)
 def _compiled_template(template: str) -> Any:
-    """The chat template compiled as transformers compiles it (sandboxed jinja2)."""
+    """The chat template compiled as transformers compiles it (sandboxed jinja2); ValueError
+    for one that does not compile."""
+    from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
@@ -163,7 +174,11 @@ def _compiled_template(template: str) -> Any:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
+    try:
+        return env.from_string(template)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template (of --tokenizer) does not compile: {exc.message} "
+                         f"(line {exc.lineno} of the template)") from exc
 
 
 def _renderer(tokenizer: Tokenizer) -> Callable[[Sequence[dict], bool], str]:
@@ -177,8 +192,9 @@ def _renderer(tokenizer: Tokenizer) -> Callable[[Sequence[dict], bool], str]:
                          f"template, but {which}: give a tokenizer that has one, or records "
                          "with prompt/response fields")
     compiled = _compiled_template(template)
-    token = getattr(tokenizer, "token_text", lambda _: None)
-    special = {"eos_token": token(tokenizer.eos_id) or "", "bos_token": ""}
+    # as transformers' apply_chat_template: the tokenizer's named special tokens (its real BOS
+    # for a template that writes `{{ bos_token }}`); one it lacks is left undefined
+    special = getattr(tokenizer, "special_tokens", dict)()
     return lambda messages, prompt: compiled.render(messages=list(messages),
                                                     add_generation_prompt=prompt, **special)
 
@@ -204,6 +220,19 @@ def chat_segments(messages: Sequence[dict], render: Callable[[Sequence[dict], bo
                          "its continuation, so the answer tokens cannot be told apart")
     segments.append((whole[len(done):], False))
     return [(text, target) for text, target in segments if text]
+
+
+def _example_segments(example: Example, tokenizer: Tokenizer) -> list[tuple[str, bool]]:
+    """`chat_segments` of a chat example. Whatever its template raises (its `raise_exception`,
+    a jinja2 error, a Python error inside it) comes back as one ValueError that names the record,
+    so that a bad conversation among thousands is found by its line."""
+    try:
+        return chat_segments(example.messages or (), _renderer(tokenizer))
+    except Exception as exc:  # a user's template can raise anything jinja2 or Python raises
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        if not isinstance(exc, ValueError):
+            why = f"the chat template failed on the conversation: {type(exc).__name__}: {why}"
+        raise ValueError(f"{example.where}: {why}" if example.where else why) from exc
 
 
 def _encode_segments(segments: list[tuple[str, bool]], tokenizer: Tokenizer
@@ -232,7 +261,7 @@ def encode_example(example: Example, tokenizer: Tokenizer, max_seq_len: int,
         segments = [(text, target) for text, target in segments if text]
         ends_with_answer = bool(example.response)
     else:
-        segments = chat_segments(example.messages, _renderer(tokenizer))
+        segments = _example_segments(example, tokenizer)
         ends_with_answer = bool(example.messages) and example.messages[-1]["role"] == "assistant"
     ids, mask = _encode_segments(segments, tokenizer)
     eos = tokenizer.eos_id

@@ -14,7 +14,8 @@ one longer than a row is cut again at blank lines into groups of paragraphs of u
 row; other text is cut into blank-line paragraphs. What is still longer than a row is split
 into chunks of a row. A JSONL line or Parquet row is one document: its text is the field
 `text_field` (a null or empty text is skipped), or, when it holds prompt and response fields or
-a messages list, a fine-tuning example: one row with a loss mask (`sft.py`). JSONL is read line
+a messages list (not null), a fine-tuning example: one row with a loss mask (`sft.py`); one file
+may hold both kinds, row by row. JSONL is read line
 by line and Parquet in batches of `PARQUET_BATCH_ROWS`.
 
 With a tokenizer that has an EOS, it follows each document; a Python definition cut into
@@ -201,7 +202,7 @@ def _looks_binary(path: Path) -> str | None:
     return None
 
 
-def _files_under(folder: Path) -> list[Path]:
+def files_under(folder: Path) -> list[Path]:
     """Text and record files under `folder`, recursively, skipping hidden and cache folders,
     sorted by relative path."""
     found = []
@@ -229,7 +230,7 @@ def collect_input_files(inputs: Iterable[PathLike],
         path = Path(item)
         if not path.exists():
             raise ValueError(f"input '{path}' does not exist")
-        for file in [path] if path.is_file() else _files_under(path):
+        for file in [path] if path.is_file() else files_under(path):
             if file.resolve() in seen:
                 continue
             seen.add(file.resolve())
@@ -270,35 +271,34 @@ def iter_jsonl_records(path: Path, fields: RecordFields | str) -> Iterator[Item]
 
 
 def parquet_columns(schema: pa.Schema, fields: RecordFields, shown: str) -> list[str]:
-    """The columns a Parquet input is read from: prompt and response, else messages, else the
-    text column; ValueError naming `shown` when it has none of them or a text column of another
-    type."""
+    """The columns a Parquet input is read from: each of prompt and response (both), messages and
+    the text column it has, so that a row that is not an example is read as text (`record_item`);
+    ValueError naming `shown` when it has none of them, or only a text column of another type."""
     names = schema.names
-    if fields.prompt in names and fields.response in names:
-        return [fields.prompt, fields.response]
-    if fields.messages in names:
-        return [fields.messages]
-    if fields.text not in names:
+    pair = [fields.prompt, fields.response] if {fields.prompt, fields.response} <= set(names) else []
+    columns = pair + [name for name in (fields.messages, fields.text) if name in names]
+    if not columns:
         raise ValueError(f"input '{shown}' has no column '{fields.text}' (--text-field), nor "
                          f"'{fields.prompt}' and '{fields.response}', nor '{fields.messages}'; "
                          f"it has: {', '.join(names)}")
-    kind = schema.field(fields.text).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    kind = schema.field(fields.text).type if fields.text in names else pa.string()
+    if columns == [fields.text] and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise ValueError(f"input '{shown}': column '{fields.text}' holds {kind}, not text")
-    return [fields.text]
+    return columns
 
 
-def parquet_batch_items(batch: pa.RecordBatch, fields: RecordFields, shown: str
-                        ) -> Iterator[Item]:
-    """The non-empty texts and the examples of one batch of `parquet_columns`."""
+def parquet_batch_items(batch: pa.RecordBatch, fields: RecordFields, shown: str,
+                        first_row: int = 0) -> Iterator[Item]:
+    """The non-empty texts and the examples of one batch of `parquet_columns`, its first row
+    being row `first_row` of the file (errors name the row, counted from 0)."""
     names = batch.schema.names
     for number, values in enumerate(zip(*(column.to_pylist() for column in batch.columns),
-                                        strict=True)):
+                                        strict=True), start=first_row):
         if len(names) == 1 and names[0] == fields.text:
             item: Item | None = values[0]
         else:
             item = record_item(dict(zip(names, values, strict=True)),
-                               f"'{shown}' batch row {number}", fields)
+                               f"'{shown}' row {number}", fields)
         if item:
             yield item
 
@@ -311,8 +311,10 @@ def iter_parquet_records(path: Path, fields: RecordFields | str) -> Iterator[Ite
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"input '{path}' is not a readable Parquet file: {exc}") from exc
     columns = parquet_columns(parquet.schema_arrow, fields, str(path))
+    first_row = 0
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
-        yield from parquet_batch_items(batch, fields, str(path))
+        yield from parquet_batch_items(batch, fields, str(path), first_row)
+        first_row += batch.num_rows
 
 
 Row = np.ndarray | tuple[np.ndarray, np.ndarray]  # tokens, or (tokens, loss_mask)

@@ -5,7 +5,8 @@ none), `encode(text)` (no special tokens added), `encode_batch(texts)`, `decode(
 `save(folder)` (a copy that `load_tokenizer(folder)` loads back) and
 `save_for_transformers(folder)` (files `transformers.AutoTokenizer.from_pretrained` loads), and
 `chat_template` (the jinja2 template of its tokenizer_config.json, None without one: `sft.py`
-renders `messages` records with it; saved with the copy).
+renders `messages` records with it, given the tokenizer's `special_tokens()` as transformers
+gives them; saved with the copy).
 
 `load_tokenizer(None)` is the byte tokenizer; a path is a `tokenizer.json` file, a folder
 holding one, or a folder `transformers.AutoTokenizer` loads, never downloaded. The Hugging Face
@@ -102,6 +103,14 @@ class HFTokenizer:
         """The text of a token id (the EOS a chat template writes), or None."""
         return self._token(token_id)
 
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens a chat template is rendered with, as transformers'
+        `apply_chat_template` passes its `special_tokens_map`: those the config names (bos, unk,
+        sep, cls, mask), with the EOS and pad used here; a token it lacks is not passed."""
+        found = {name: _token_content(self.config.get(name)) for name in _TEMPLATE_TOKENS}
+        found.update(eos_token=self._token(self.eos_id), pad_token=self._token(self.pad_id))
+        return {name: token for name, token in found.items() if token}
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without the special tokens a post-processor would add."""
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -147,6 +156,18 @@ class HFTokenizer:
         if self.chat_template:
             wrapped.chat_template = self.chat_template
         wrapped.save_pretrained(str(folder))
+
+
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the names a chat template may use
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                    "mask_token")
+
+
+def _token_content(value: Any) -> str | None:
+    """A token as tokenizer_config.json names it: a string, or an {"content": ...} mapping."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
 
 
 def _config_token(folder: Path, key: str) -> str | None:
