@@ -180,11 +180,16 @@ def big_token_ids(tmp: Path, data: str) -> str:
 
 
 def unfinished_prepare(tmp: Path, data: str) -> str:
-    """prepare's shards without `_prepare.json` (written last): a prepare that was killed."""
+    """A prepare killed while it wrote: its marker still there, no `_prepare.json` (written
+    last). The same shards without either (copied out of a prepared folder: test_models) are a
+    data set of their own."""
     import shutil
+
+    from elastic_train.data.dataset import PENDING_FILE
 
     shutil.copytree(data, tmp / "half")
     (tmp / "half" / "_prepare.json").unlink()
+    (tmp / "half" / PENDING_FILE).write_text("")
     return str(tmp / "half")
 
 
@@ -398,7 +403,7 @@ CASES = [
          data_case(big_token_ids, "model.vocab_size=256"),
          "embedding has 256 rows but data set"),
     Case("unfinished prepare output", data_case(unfinished_prepare),
-         "is an unfinished prepare output: its shards have prepare's columns"),
+         "is an unfinished prepare output: it still holds _prepare.pending"),
     Case("eval.path is the training set", train_with(lambda tmp, d: [f"eval.path={d}"]),
          "of the training set data.path"),
     Case("eval.path tokenized with another tokenizer of the same size",

@@ -329,6 +329,36 @@ def test_default_corpus_refuses_an_unfinished_cache_folder(tmp_path, monkeypatch
     assert [path.name for path in tmp_path.iterdir()] == [final.name]
 
 
+def test_a_prepare_that_fails_while_writing_leaves_a_folder_that_is_refused(tmp_path,
+                                                                          monkeypatch):
+    """A prepare that stops between its first shard and `_prepare.json` leaves its marker: the
+    folder is refused by name. A finished one leaves none, and its shards copied elsewhere
+    without `_prepare.json` are a data set of their own."""
+    files = stdlib_source_files()[:3]
+    prepare(files, tmp_path / "whole", max_seq_len=256, rows_per_shard=8)
+    assert not (tmp_path / "whole" / "_prepare.pending").exists()
+    (tmp_path / "copy").mkdir()
+    for shard in (tmp_path / "whole").glob("*.parquet"):
+        shutil.copy(shard, tmp_path / "copy")
+    assert inspect_dataset(str(tmp_path / "copy")).rows == inspect_dataset(
+        str(tmp_path / "whole")).rows
+    written = prepare_module._write_folder
+
+    def killed_after_shards(*args, **kwargs):
+        written(*args, **kwargs)
+        raise KeyboardInterrupt  # the process stopped here
+
+    monkeypatch.setattr(prepare_module, "_write_folder", killed_after_shards)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(files, tmp_path / "half", max_seq_len=256, rows_per_shard=8)
+    assert list((tmp_path / "half").glob("*.parquet"))
+    with pytest.raises(ValueError, match="is an unfinished prepare output: it still holds "
+                                         "_prepare.pending"):
+        inspect_dataset(str(tmp_path / "half"))
+    with pytest.raises(ValueError, match="_prepare.pending"):  # and a new prepare into it
+        prepare(files, tmp_path / "half", max_seq_len=256)
+
+
 # --- Tokenizers, JSONL and Parquet inputs -------------------------------------------------
 
 EOS = "<|endoftext|>"  # id 0 of the bpe_tokenizer fixture

@@ -78,7 +78,12 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from elastic_train.data.dataset import STATS_FILE, TOKENIZER_DIR, _resolve_dataset_path
+from elastic_train.data.dataset import (
+    STATS_FILE,
+    TOKENIZER_DIR,
+    _resolve_dataset_path,
+    pending_marker,
+)
 from elastic_train.data.heldout import EVAL_DIR, held_documents, row_ids, split_record
 from elastic_train.data.pieces import (
     jsonl_bounds,
@@ -448,22 +453,26 @@ def prepare_ray(
         held = held_documents(sum(len(counts) for counts in doc_rows), eval_fraction, seed)
         token_type = token_type_for(max(int(tokenizer.vocab_size) - 1, int(top.max())))
         _create_output(fs, root, str(output), tokenizer, bool(held.any()))
-        train_rows, written = _write_all(
-            tokenized, pieces, rows, tokens, doc_rows, held, cpus=cpus, seed=seed,
-            rows_per_shard=rows_per_shard, rows_per_block=rows_per_block, target=target,
-            names=[str(file) for file in files], token_type=token_type, with_mask=masked)
-    common = {"max_seq_len": max_seq_len, "source_files": len(files), "skipped": len(skipped),
-              "tokenizer": tokenizer, "token_type": token_type, "rows_per_block": rows_per_block,
-              "sft": sft.record() if sft.examples else None}
-    train_shards = -(-train_rows // rows_per_shard)
-    stats = {**folder_stats(_side_counts(written[:train_shards]), **common), "engine": "ray"}
-    if held.any():
-        counts = _side_counts(written[train_shards:])
-        _write_stats(fs, f"{root}/{EVAL_DIR}", {**folder_stats(counts, **common), "engine": "ray",
-                                                "held_out": {"fraction": eval_fraction}})
-        stats["eval"] = split_record(eval_fraction, int(held.sum()), counts["rows"],
-                                     counts["tokens"])
-    _write_stats(fs, root, stats)
+        with pending_marker(fs, root):
+            train_rows, written = _write_all(
+                tokenized, pieces, rows, tokens, doc_rows, held, cpus=cpus, seed=seed,
+                rows_per_shard=rows_per_shard, rows_per_block=rows_per_block, target=target,
+                names=[str(file) for file in files], token_type=token_type, with_mask=masked)
+            common = {"max_seq_len": max_seq_len, "source_files": len(files),
+                      "skipped": len(skipped), "tokenizer": tokenizer, "token_type": token_type,
+                      "rows_per_block": rows_per_block,
+                      "sft": sft.record() if sft.examples else None}
+            train_shards = -(-train_rows // rows_per_shard)
+            stats = {**folder_stats(_side_counts(written[:train_shards]), **common),
+                     "engine": "ray"}
+            if held.any():
+                counts = _side_counts(written[train_shards:])
+                _write_stats(fs, f"{root}/{EVAL_DIR}",
+                             {**folder_stats(counts, **common), "engine": "ray",
+                              "held_out": {"fraction": eval_fraction}})
+                stats["eval"] = split_record(eval_fraction, int(held.sum()), counts["rows"],
+                                             counts["tokens"])
+            _write_stats(fs, root, stats)
     if progress:
         print(summary_line(stats, time.perf_counter() - started), file=sys.stderr, flush=True)
     return stats

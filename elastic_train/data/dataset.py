@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,10 +24,20 @@ from elastic_train.data.rowgroups import BlockTable, build_block_table
 from elastic_train.data.tokenizer import BYTE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer
 
 REQUIRED_COLUMNS = ("id", "tokens", "length")
-PREPARE_COLUMNS = ("source", "offset", "doc")  # what prepare writes beside them
-
-
 STATS_FILE = "_prepare.json"
+PENDING_FILE = "_prepare.pending"  # there while a prepare writes; removed after STATS_FILE
+
+
+@contextmanager
+def pending_marker(fs: pafs.FileSystem, root: str) -> Iterator[None]:
+    """`PENDING_FILE` in `root` while the block writes a prepare's output, removed when it ends
+    without an error: a folder still holding it is a prepare that was killed or failed
+    (`inspect_dataset` refuses it), while shards copied out of a prepared folder are a data set
+    of their own."""
+    with fs.open_output_stream(f"{root}/{PENDING_FILE}") as handle:
+        handle.write(b"a prepare is writing this folder; it removes this file when it is done\n")
+    yield
+    fs.delete_file(f"{root}/{PENDING_FILE}")
 
 
 TOKENIZER_DIR = "tokenizer"  # the copy of the tokenizer, beside the shards
@@ -223,11 +235,10 @@ def inspect_dataset(path: str) -> DatasetInfo:
         raise ValueError(f"dataset '{path}' is empty: its Parquet files hold no rows")
     is_folder = fs.get_file_info(root).type == pafs.FileType.Directory
     recorded = _recorded(fs, root) if is_folder else {}
-    if is_folder and recorded["tokenizer_kind"] is None and set(PREPARE_COLUMNS) <= set(columns):
-        raise ValueError(f"dataset '{path}' is an unfinished prepare output: its shards have "
-                         f"prepare's columns ({', '.join(PREPARE_COLUMNS)}) but it has no "
-                         f"{STATS_FILE}, which prepare writes last; prepare it again into an "
-                         "empty folder")
+    if is_folder and fs.get_file_info(f"{root}/{PENDING_FILE}").type != pafs.FileType.NotFound:
+        raise ValueError(f"dataset '{path}' is an unfinished prepare output: it still holds "
+                         f"{PENDING_FILE}, which prepare removes when it has written everything "
+                         "(it was killed or failed); prepare it again into an empty folder")
     if recorded.get("max_token_id") is None and token_ids and None not in token_ids:
         recorded["max_token_id"] = max(high for _, high in token_ids)  # a data set of its own
     return DatasetInfo(path=root, filesystem=fs, files=files, rows=rows, max_length=max_length,

@@ -41,9 +41,16 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from elastic_train.data.dataset import INT16_MAX, STATS_FILE, TOKENIZER_DIR
+from elastic_train.data.dataset import (
+    INT16_MAX,
+    PENDING_FILE,
+    STATS_FILE,
+    TOKENIZER_DIR,
+    pending_marker,
+)
 from elastic_train.data.heldout import (
     EVAL_DIR,
     check_fraction,
@@ -211,20 +218,22 @@ def prepare(
               "sft": sft.record() if sft.examples else None}
     write = {"names": [str(file) for file in files], "token_type": token_type,
              "rows_per_shard": rows_per_shard, "rows_per_block": rows_per_block, "mask": mask}
-    for folder in [out, out / EVAL_DIR] if held.any() else [out]:
-        if tokenizer.kind != "bytes":
-            tokenizer.save(folder / TOKENIZER_DIR)
-    stats = folder_stats(_write_folder(out, spans[:train_rows], values, first_id=0, **write),
-                         **common)
-    if held.any():
-        counts = _write_folder(out / EVAL_DIR, spans[train_rows:], values, first_id=train_rows,
-                               **write)
-        eval_stats = {**folder_stats(counts, **common), "held_out": {"fraction": eval_fraction}}
-        (out / EVAL_DIR / STATS_FILE).write_text(json.dumps(eval_stats, indent=2, sort_keys=True)
-                                                 + "\n")
-        stats["eval"] = split_record(eval_fraction, int(held.sum()), counts["rows"],
-                                     counts["tokens"])
-    (out / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+    with pending_marker(pafs.LocalFileSystem(), str(out)):
+        for folder in [out, out / EVAL_DIR] if held.any() else [out]:
+            if tokenizer.kind != "bytes":
+                tokenizer.save(folder / TOKENIZER_DIR)
+        stats = folder_stats(_write_folder(out, spans[:train_rows], values, first_id=0, **write),
+                             **common)
+        if held.any():
+            counts = _write_folder(out / EVAL_DIR, spans[train_rows:], values,
+                                   first_id=train_rows, **write)
+            eval_stats = {**folder_stats(counts, **common),
+                          "held_out": {"fraction": eval_fraction}}
+            (out / EVAL_DIR / STATS_FILE).write_text(
+                json.dumps(eval_stats, indent=2, sort_keys=True) + "\n")
+            stats["eval"] = split_record(eval_fraction, int(held.sum()), counts["rows"],
+                                         counts["tokens"])
+        (out / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
     return stats
 
 
@@ -255,7 +264,8 @@ def refuse_leftovers(shown: str, names: Iterable[str]) -> None:
     would be read with the new shards (another corpus's held-out rows, a stale tokenizer), and
     nothing a user saved is deleted here: they say how to go on."""
     found = sorted(f"{name}/" if name in (EVAL_DIR, TOKENIZER_DIR) else name for name in names
-                   if name.endswith(".parquet") or name in (EVAL_DIR, TOKENIZER_DIR, STATS_FILE))
+                   if name.endswith(".parquet")
+                   or name in (EVAL_DIR, TOKENIZER_DIR, STATS_FILE, PENDING_FILE))
     if not found:
         return
     what = ("Parquet files" if any(name.endswith(".parquet") for name in found)

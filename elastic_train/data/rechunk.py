@@ -15,9 +15,10 @@ import shutil
 from pathlib import Path
 
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from elastic_train.data.dataset import STATS_FILE, TOKENIZER_DIR, inspect_dataset
+from elastic_train.data.dataset import STATS_FILE, TOKENIZER_DIR, inspect_dataset, pending_marker
 from elastic_train.data.heldout import EVAL_DIR
 from elastic_train.data.rowgroups import auto_rows_per_block
 
@@ -81,27 +82,28 @@ def rechunk(source: str | Path, output: str | Path, rows_per_block: int | None) 
     rows_per_block = rows_per_block or auto_rows_per_block(info.rows)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    tokens = 0
-    max_token_id = -1
-    for i, file in enumerate(info.files):
-        pf = pq.ParquetFile(file)
-        with pq.ParquetWriter(out / f"part-{i:05d}.parquet", pf.schema_arrow) as writer:
-            for batch in pf.iter_batches(batch_size=max(rows_per_block, 1024)):
-                writer.write_batch(batch, row_group_size=rows_per_block)
-                tokens += int(pc.sum(batch.column("length")).as_py() or 0)
-                flat = pc.list_flatten(batch.column("tokens"))
-                if len(flat):
-                    max_token_id = max(max_token_id, int(pc.max(flat).as_py()))
-    recorded = {}
-    stats_path = Path(info.path) / STATS_FILE
-    if stats_path.is_file():
-        recorded = json.loads(stats_path.read_text())
-    if (Path(info.path) / TOKENIZER_DIR).is_dir():
-        shutil.copytree(Path(info.path) / TOKENIZER_DIR, out / TOKENIZER_DIR)
-    if info.eval_split is not None:  # the held-out set goes along, re-chunked alike
-        rechunk(info.eval_split["path"], out / recorded["eval"]["path"], rows_per_block)
-    stats = {**recorded, "rows": info.rows, "tokens": tokens, "shards": len(info.files),
-             "max_token_id": max_token_id, "rows_per_block": rows_per_block,
-             "rechunked_from": str(info.path)}
-    (out / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+    with pending_marker(pafs.LocalFileSystem(), str(out)):
+        tokens = 0
+        max_token_id = -1
+        for i, file in enumerate(info.files):
+            pf = pq.ParquetFile(file)
+            with pq.ParquetWriter(out / f"part-{i:05d}.parquet", pf.schema_arrow) as writer:
+                for batch in pf.iter_batches(batch_size=max(rows_per_block, 1024)):
+                    writer.write_batch(batch, row_group_size=rows_per_block)
+                    tokens += int(pc.sum(batch.column("length")).as_py() or 0)
+                    flat = pc.list_flatten(batch.column("tokens"))
+                    if len(flat):
+                        max_token_id = max(max_token_id, int(pc.max(flat).as_py()))
+        recorded = {}
+        stats_path = Path(info.path) / STATS_FILE
+        if stats_path.is_file():
+            recorded = json.loads(stats_path.read_text())
+        if (Path(info.path) / TOKENIZER_DIR).is_dir():
+            shutil.copytree(Path(info.path) / TOKENIZER_DIR, out / TOKENIZER_DIR)
+        if info.eval_split is not None:  # the held-out set goes along, re-chunked alike
+            rechunk(info.eval_split["path"], out / recorded["eval"]["path"], rows_per_block)
+        stats = {**recorded, "rows": info.rows, "tokens": tokens, "shards": len(info.files),
+                 "max_token_id": max_token_id, "rows_per_block": rows_per_block,
+                 "rechunked_from": str(info.path)}
+        (out / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
     return stats
