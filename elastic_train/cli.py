@@ -5,7 +5,9 @@
                           [--engine auto|ray|local]
     elastic-train export RUN_FOLDER --output DIR [--checkpoint NAME] [--merge]
     elastic-train sample RUN_FOLDER|EXPORT_FOLDER --prompt TEXT [--max-new-tokens N]
-    elastic-train report RUN_FOLDER
+    elastic-train report RUN_FOLDER [--output DIR]
+
+RUN_FOLDER may be a pyarrow.fs URI (`s3://bucket/runs/name`) as `run.storage_path` allows.
 
 Exit status 0 on success; on bad input, non-zero with one line `error: ...` naming the culprit.
 """
@@ -93,7 +95,7 @@ def _sample(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from elastic_train.observe.report import run_report
 
-    return run_report(args.run_folder)
+    return run_report(args.run_folder, args.output)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,26 +136,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "inputs hold 64 MiB or more. The shards are the same")
     p.set_defaults(func=_prepare)
     p = sub.add_parser("export", help="the trained model -> a folder transformers or safetensors loads")
-    p.add_argument("run_folder")
+    p.add_argument("run_folder", help="a run folder, local or a URI (s3://, gs://, ...)")
     p.add_argument("--output", required=True, help="new (or empty) folder to write")
-    p.add_argument("--checkpoint", default=None, 
+    p.add_argument("--checkpoint", default=None,
                    help="checkpoint folder name (default: the best kept, else the newest)")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA run: the adapters merged into the base, a folder from_pretrained "
-                        "loads alone (default: the adapters, for PeftModel.from_pretrained)")
+                        "loads alone (default for model.name=hf: the adapters, for "
+                        "PeftModel.from_pretrained; other models always export merged)")
     p.set_defaults(func=_export)
     p = sub.add_parser("sample", help="print a continuation of a prompt by the trained model")
-    p.add_argument("run_folder", help="a run folder, or a folder export wrote")
+    p.add_argument("run_folder", help="a run folder (local or a URI), or a folder export wrote")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", default=None, 
+    p.add_argument("--checkpoint", default=None,
                    help="checkpoint folder name (default: the best kept, else the newest)")
     p.set_defaults(func=_sample)
     p = sub.add_parser("report", help="a run's figures as a table, plus loss.png, throughput.png "
                                       "and ranks.png")
-    p.add_argument("run_folder")
+    p.add_argument("run_folder", help="a run folder, local or a URI (s3://, gs://, ...)")
+    p.add_argument("--output", default=None,
+                   help="folder for the PNGs (default: the run folder; for a remote one "
+                        "./<run name>-report)")
     p.set_defaults(func=_report)
     return parser
 

@@ -15,15 +15,25 @@ model `model.safetensors`, the resolved `config.yaml` and the tokenizer's copy. 
 loads them), or with `merge` the adapters merged into the base, written as above (a folder
 `from_pretrained` loads alone). A QLoRA run's adapters are loaded onto its base unquantised, in
 bf16, so export and sample need no GPU (`_unquantised`). The output is written in a scratch
-folder renamed into place: an existing folder is never overwritten.
+folder renamed into place: an existing folder is never overwritten. The output is checked (and
+the scratch folder made) before the model loads, so a bad `--output` costs nothing. A LoRA run of
+a model that is not `hf` (the GPT, an import path) always exports merged: peft adapters load only
+onto a base transformers can name, and the config.yaml written is the merged model's (LoRA off).
+
+Both say on stderr which checkpoint they load (its folder, step, and eval loss for the best), and
+warn when `best_checkpoint.json` names a folder that is missing or incomplete (then the newest
+complete one is used). A run folder on remote storage (`s3://`, `gs://`: any pyarrow.fs URI) is
+read through a temporary local copy of the files they need (`local_run`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -34,8 +44,11 @@ from torch import nn
 from elastic_train.config import Config, ConfigError, ModelConfig, config_from_dict
 from elastic_train.data.batches import make_batch
 from elastic_train.data.tokenizer import Tokenizer
+from elastic_train.observe.runfolder import CONFIG_FILE, local_copy
 from elastic_train.training.checkpoint import (
+    BEST_POINTER,
     CheckpointError,
+    complete_checkpoints,
     is_complete,
     load_model_weights,
     read_best_pointer,
@@ -55,8 +68,21 @@ class TrainedModel:
 
     model: nn.Module
     config: Config
-    checkpoint: Path
+    checkpoint: Path  # for a remote run, in a temporary copy gone once load_trained returns
     tokenizer: Tokenizer
+
+
+@dataclass
+class CheckpointChoice:
+    """The checkpoint export and sample load, and why: told on the console."""
+
+    path: Path
+    why: str  # "the newest", "the best, eval loss X", "as named"
+    warnings: list[str] = field(default_factory=list)
+
+
+def _tell(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def latest_checkpoint(run_folder: Path) -> Path:
@@ -67,19 +93,73 @@ def latest_checkpoint(run_folder: Path) -> Path:
     return names[0]
 
 
-def default_checkpoint(run_folder: Path) -> Path:
-    """The best checkpoint (lowest eval loss, `checkpoint.keep_best`) when the run kept one and
-    it is complete, else the newest complete one."""
+def choose_checkpoint(run_folder: Path, checkpoint: str | None = None) -> CheckpointChoice:
+    """`checkpoint` when named; else the best (lowest eval loss, `checkpoint.keep_best`) when the
+    run kept one and it is complete, else the newest complete one, with a warning when the
+    pointer names a folder that is gone or half written (a deleted folder, a partial copy)."""
+    if checkpoint:
+        return CheckpointChoice(run_folder / checkpoint, "as named")
     pointer = read_best_pointer(pafs.LocalFileSystem(), str(run_folder.resolve()))
+    warnings = []
     if pointer is not None:
         best = run_folder / pointer["checkpoint"]
         if is_complete(best):
-            return best
-    return latest_checkpoint(run_folder)
+            loss = pointer.get("eval_loss")
+            return CheckpointChoice(best, "the best" + (f", eval loss {loss:.4f}" if isinstance(
+                loss, int | float) else ""))
+        warnings.append(f"warning: {BEST_POINTER} names {pointer['checkpoint']}, which is missing "
+                        "or incomplete: using the newest complete checkpoint")
+    return CheckpointChoice(latest_checkpoint(run_folder), "the newest", warnings)
+
+
+def default_checkpoint(run_folder: Path) -> Path:
+    """The checkpoint export and sample load by default (`choose_checkpoint`)."""
+    return choose_checkpoint(run_folder).path
+
+
+def _is_remote_export(names: dict[str, pafs.FileType]) -> bool:
+    """A remote folder that `export` wrote (as `is_export_folder`, from its listing)."""
+    if any(n.startswith("checkpoint_") for n in names):
+        return False
+    return ("config.json" in names or "adapter_config.json" in names
+            or ("model.safetensors" in names and CONFIG_FILE in names))
+
+
+def _download_run(fs: pafs.FileSystem, path: str, local: Path, checkpoint: str | None) -> None:
+    """Copy what export and sample read of a remote folder into `local`: the whole of an export
+    folder; of a run folder its config.yaml, best pointer and the one checkpoint they will load
+    (the best when whole, else the newest with a manifest), never every checkpoint it keeps."""
+
+    def fetch(name: str) -> None:
+        if name in names:
+            if names[name] == pafs.FileType.Directory:
+                (local / name).mkdir()  # copy_files makes the folders below, not this one
+            pafs.copy_files(f"{path}/{name}", str(local / name), source_filesystem=fs,
+                            destination_filesystem=pafs.LocalFileSystem())
+
+    local.mkdir(parents=True)
+    names = {i.base_name: i.type for i in fs.get_file_info(pafs.FileSelector(path))}
+    if _is_remote_export(names):
+        for name in names:
+            fetch(name)
+        return
+    fetch(CONFIG_FILE)
+    fetch(BEST_POINTER)
+    if checkpoint:
+        return fetch(checkpoint)
+    pointer = read_best_pointer(pafs.LocalFileSystem(), str(local))
+    if pointer is not None:
+        fetch(pointer["checkpoint"])
+        if is_complete(local / pointer["checkpoint"]):
+            return
+    for name in complete_checkpoints(fs, path)[:1]:
+        fetch(name)
 
 
 def load_run_config(run_folder: Path) -> Config:
     path = run_folder / "config.yaml"
+    if not run_folder.exists():
+        raise ValueError(f"run folder '{run_folder}' does not exist")
     if not path.is_file():
         raise ValueError(f"'{run_folder}' is not a run folder: it has no config.yaml")
     try:
@@ -98,10 +178,20 @@ def run_tokenizer(cfg: Config) -> Tokenizer:
 
 
 def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
-                 model_fn: ModelFn | None = None) -> TrainedModel:
+                 model_fn: ModelFn | None = None,
+                 say: Callable[[str], None] = _tell) -> TrainedModel:
     """Rebuild the run's model and load a checkpoint's weights into it (on the CPU, eval mode);
-    or, for a folder `export` wrote, the model it holds (`load_exported`)."""
-    folder = Path(run_folder)
+    or, for a folder `export` wrote, the model it holds (`load_exported`). `say` gets the line
+    naming the checkpoint (and any warning about the choice)."""
+    def download(fs: pafs.FileSystem, path: str, local: Path) -> None:
+        _download_run(fs, path, local, checkpoint)
+
+    with local_copy(run_folder, download, "elastic-train-run-") as (folder, _):
+        return _load_trained(folder, os.fspath(run_folder), checkpoint, model_fn, say)
+
+
+def _load_trained(folder: Path, shown: str, checkpoint: str | None, model_fn: ModelFn | None,
+                  say: Callable[[str], None]) -> TrainedModel:
     if checkpoint is None and is_export_folder(folder):
         return load_exported(folder)
     cfg = load_run_config(folder)
@@ -111,11 +201,18 @@ def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
             "model_fn), which its config cannot rebuild: use the Python API with that function, "
             "elastic_train.export.export(RUN, OUTPUT, model_fn=...) or load_trained(RUN, "
             "model_fn=...)")
-    ckpt = folder / checkpoint if checkpoint else default_checkpoint(folder)
+    choice = choose_checkpoint(folder, checkpoint)
+    ckpt = choice.path
+    if not ckpt.is_dir():
+        raise ValueError(f"checkpoint '{ckpt}' does not exist")
     try:
         state = read_state(ckpt)
     except (CheckpointError, OSError) as exc:
         raise ValueError(f"checkpoint '{ckpt}': {exc}") from None
+    for line in choice.warnings:
+        say(line)
+    step = state.get("train_state", {}).get("step", "?")
+    say(f"checkpoint: {ckpt.name} (step {step}, {choice.why}) of {shown}")
     torch.manual_seed(cfg.train.seed)
     model = build_model(_unquantised(cfg.model), cfg.data.max_seq_len, model_fn)
     mismatch = signature_mismatch(state, {n: list(t.shape) for n, t in model.state_dict().items()})
@@ -191,33 +288,87 @@ def _unquantised(model_cfg: ModelConfig) -> ModelConfig:
 
 
 def export(run_folder: str | os.PathLike, output: str | os.PathLike, checkpoint: str | None = None,
-           model_fn: ModelFn | None = None, merge: bool = False) -> Path:
+           model_fn: ModelFn | None = None, merge: bool = False,
+           say: Callable[[str], None] = _tell) -> Path:
     """Write the trained model of `run_folder` to `output` (see the module docstring)."""
-    out = Path(output)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output '{out}' already exists and is not an empty folder; refusing to "
-                         "overwrite it")
-    trained = load_trained(run_folder, checkpoint, model_fn)
-    lora = isinstance(trained.model, LoraModel)
-    if merge and not lora:
-        raise ValueError(f"--merge: run '{run_folder}' trained no LoRA adapters (model.lora.r is 0): "
-                         "its export is the whole model already")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    out, scratch, made = _claim_output(output)
     try:
-        if lora and not merge:
-            _write_adapters(trained, scratch)
-        else:
-            if lora:
-                trained.model = trained.model.peft.merge_and_unload()
-            _write_export(trained, scratch)
-        _open_to_umask(scratch)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.rename(scratch, out)
-    finally:
+        trained = load_trained(run_folder, checkpoint, model_fn, say)
+        lora = isinstance(trained.model, LoraModel)
+        if merge and not lora:
+            raise ValueError(f"--merge: run '{run_folder}' trained no LoRA adapters (model.lora.r "
+                             "is 0): its export is the whole model already")
+        if lora and not merge and trained.config.model.name != "hf":
+            say(f"note: LoRA adapters of model.name={trained.config.model.name} load onto no "
+                "transformers base: exporting them merged into the model")
+            merge = True
+        try:
+            if lora and not merge:
+                _write_adapters(trained, scratch)
+            else:
+                if lora:
+                    trained.model = trained.model.peft.merge_and_unload()
+                    trained.config = _merged_config(trained.config)
+                _write_export(trained, scratch)
+            _open_to_umask(scratch)
+            if out.exists():
+                out.rmdir()  # empty, checked above
+            os.rename(scratch, out)
+        except OSError as exc:
+            raise ValueError(f"output '{output}': {exc.strerror or exc}") from None
+    except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
+        _remove_made(scratch.parent, made)
+        raise
     return out
+
+
+def _claim_output(output: str | os.PathLike) -> tuple[Path, Path, Path | None]:
+    """Check `output` before anything loads (a bad one would fail only after a model of many GB
+    loaded), and make the scratch folder the export is written in, beside it. Returns the folder
+    to write (a link's target: the link stays), the scratch folder, and the first folder above
+    it that this made (None: none), removed again if the export fails."""
+    shown = f"output '{output}'"
+    out = Path(os.path.realpath(os.path.expanduser(output)))
+    if Path.cwd().resolve().is_relative_to(out):
+        raise ValueError(f"{shown}: it is the current folder or holds it: name a new folder")
+    made = None
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"{shown}: already exists and is not an empty folder; refusing to "
+                             "overwrite it")
+        for above in out.parents:
+            if above.exists():
+                if not above.is_dir():
+                    raise ValueError(f"{shown}: '{above}' is a file, not a folder")
+                break
+            made = above
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return out, Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)), made
+    except OSError as exc:
+        _remove_made(out.parent, made)
+        raise ValueError(f"{shown}: {exc.strerror or exc}") from None
+
+
+def _remove_made(folder: Path, made: Path | None) -> None:
+    """Remove the (empty) folders from `folder` up to `made`, which `_claim_output` made."""
+    if made is None:
+        return
+    for path in (folder, *folder.parents):
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        if path == made:
+            return
+
+
+def _merged_config(cfg: Config) -> Config:
+    """The config of a merged LoRA model as saved: LoRA off, so that building the model from
+    the exported config.yaml gives the names and shapes of its model.safetensors."""
+    model = replace(cfg.model, lora=replace(cfg.model.lora, r=0, load_in_4bit=False),
+                    base_dtype="fp32")
+    return replace(cfg, model=model)
 
 
 def _umask() -> int:

@@ -4,6 +4,7 @@ folders are made without Ray: a checkpoint written by the checkpoint code itself
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -83,3 +84,141 @@ def test_sample_on_an_export_folder_continues_as_the_run_folder_does(
     from_run = sampled(capsys, run)
     assert from_run.startswith("def ") and len(from_run) > len("def \n")
     assert sampled(capsys, tmp_path / "export") == from_run
+
+
+# -- review fixes: remote run folders, LoRA of other models, the checkpoint named, bad outputs --
+def mock_store(monkeypatch, *modules):
+    """pyarrow's in-memory store standing in for s3://: `mock:///runs/r` is `runs/r` in it."""
+    import pyarrow.fs as pafs
+
+    store, _ = pafs.FileSystem.from_uri("mock:///runs")
+    for module in modules:
+        monkeypatch.setattr(module, "split_uri",
+                            lambda uri: (store, uri.split("://", 1)[1].strip("/"), False))
+    return store
+
+
+def upload(store, local: Path, remote: str) -> None:
+    import pyarrow.fs as pafs
+
+    pafs.copy_files(str(local), remote, source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=store)
+
+
+def tiny_gpt(data: str) -> list[str]:
+    return [f"data.path={data}", "model.n_layer=1", "model.d_model=32", "model.n_head=2"]
+
+
+def test_export_and_sample_read_a_run_folder_on_remote_storage(tmp_path, capsys, monkeypatch,
+                                                               bpe_data):
+    from elastic_train import export
+    from elastic_train.observe import runfolder
+
+    store = mock_store(monkeypatch, runfolder)
+    run = run_folder(tmp_path / "runs", "r", *tiny_gpt(bpe_data))
+    (run / "checkpoint_000000000").mkdir()  # an older, incomplete one: never downloaded
+    upload(store, run, "runs/r")
+    copied, load = [], export._load_trained
+    monkeypatch.setattr(export, "_load_trained",
+                        lambda folder, *a: copied.append(sorted(os.listdir(folder))) or load(folder, *a))
+    assert main(["export", "mock:///runs/r", "--output", str(tmp_path / "export")]) == 0
+    assert copied == [["checkpoint_000000001", "config.yaml"]]
+    assert "checkpoint_000000001" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [
+        "config.yaml", "model.safetensors", "tokenizer"]
+    assert sampled(capsys, "mock:///runs/r") == sampled(capsys, run)
+    store.create_dir("runs/e")
+    upload(store, tmp_path / "export", "runs/e")  # an export folder on remote storage samples too
+    assert sampled(capsys, "mock:///runs/e") == sampled(capsys, run)
+
+    for command in (["sample", "mock:///runs/absent", "--prompt", "x"],
+                    ["export", "mock:///runs/absent", "--output", str(tmp_path / "e2")]):
+        assert main(command) == 2
+        assert capsys.readouterr().err == "error: run folder 'mock:///runs/absent' does not exist\n"
+    assert not (tmp_path / "e2").exists()
+
+
+def test_a_missing_local_run_folder_is_named_as_missing(tmp_path, capsys):
+    assert main(["sample", str(tmp_path / "absent"), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err == f"error: run folder '{tmp_path / 'absent'}' does not exist\n"
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_lora_run_of_a_model_not_hf_exports_merged_with_the_config_as_saved(
+        merge, tmp_path, capsys, bpe_data):
+    """Adapters of a model transformers cannot name as a base are loadable by nothing: such a
+    run exports merged (the model.safetensors + config.yaml of any model not hf), and the
+    config.yaml it writes builds the model it saved (LoRA off)."""
+    import yaml
+    from safetensors.torch import load_model
+
+    from elastic_train.config import config_from_dict
+
+    run = run_folder(tmp_path / "runs", "r", *tiny_gpt(bpe_data), "model.lora.r=4",
+                     "model.lora.target_modules=[qkv, proj]")
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--output", str(out), *(["--merge"] if merge else [])]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model.safetensors", "tokenizer"]
+    cfg = config_from_dict(yaml.safe_load((out / "config.yaml").read_text()))
+    assert cfg.model.lora.r == 0
+    load_model(build_model(cfg.model, cfg.data.max_seq_len), str(out / "model.safetensors"))
+    capsys.readouterr()
+    assert sampled(capsys, out) == sampled(capsys, run)
+
+
+def test_export_and_sample_name_the_checkpoint_and_warn_when_the_best_is_gone(
+        tmp_path, capsys, bpe_data):
+    import json
+    import shutil
+
+    run = run_folder(tmp_path / "runs", "r", *tiny_gpt(bpe_data))
+    assert main(["sample", str(run), "--prompt", "x", "--max-new-tokens", "1"]) == 0
+    assert "checkpoint_000000001 (step 1" in capsys.readouterr().err
+    shutil.copytree(run / "checkpoint_000000001", run / "best_checkpoint_000000001")
+    (run / "best_checkpoint.json").write_text(json.dumps(
+        {"checkpoint": "best_checkpoint_000000001", "step": 1, "eval_loss": 2.5}))
+    assert main(["export", str(run), "--output", str(tmp_path / "e1")]) == 0
+    err = capsys.readouterr().err
+    assert "best_checkpoint_000000001 (step 1" in err and "eval loss 2.5" in err
+    assert "warning" not in err
+    shutil.rmtree(run / "best_checkpoint_000000001")
+    assert main(["sample", str(run), "--prompt", "x", "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("warning: ")] == [
+        "warning: best_checkpoint.json names best_checkpoint_000000001, which is missing or "
+        "incomplete: using the newest complete checkpoint"]
+    assert any("checkpoint_000000001 (step 1" in line for line in err)
+
+
+@pytest.mark.parametrize("kind", ["under-a-file", "dot", "name-too-long", "existing-file"])
+def test_a_bad_output_is_one_error_line_before_anything_loads(kind, tmp_path, capsys, monkeypatch):
+    from elastic_train import export
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    output = {"under-a-file": str(tmp_path / "file" / "out"), "dot": ".",
+              "name-too-long": str(tmp_path / ("x" * 300) / "out"),
+              "existing-file": str(tmp_path / "file")}[kind]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr(export, "load_trained", refuse)
+    before = sorted(os.listdir(tmp_path))
+    assert main(["export", str(tmp_path / "run"), "--output", output]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: output '{output}'") and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == before and os.path.islink(tmp_path / "link")
+    assert os.listdir(cwd) == [] and os.listdir(tmp_path / "empty") == []
+
+
+def test_an_output_that_is_a_link_to_an_empty_folder_is_written_through_it(tmp_path, capsys, bpe_data):
+    run = run_folder(tmp_path / "runs", "r", *tiny_gpt(bpe_data))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    assert main(["export", str(run), "--output", str(tmp_path / "link")]) == 0
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "empty" / "model.safetensors").is_file()

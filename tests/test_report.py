@@ -161,3 +161,55 @@ def test_tensorboard_writer(tmp_path):
     first = EventAccumulator(str(tmp_path / "tensorboard" / "attempt_000"))
     first.Reload()
     assert [e.step for e in first.Scalars("grad_norm")] == [1, 3, 4]
+
+
+@pytest.mark.unit
+def test_report_of_a_run_folder_on_remote_storage(tmp_path, capsys, monkeypatch):
+    """An s3:// run folder (pyarrow's in-memory mock:// store standing in) is read through a
+    local copy; its PNGs go into --output, or ./<name>-report/ in the current folder."""
+    import pyarrow.fs as pafs
+
+    from elastic_train.observe import runfolder
+
+    store, _ = pafs.FileSystem.from_uri("mock:///runs")
+    monkeypatch.setattr(runfolder, "split_uri",
+                        lambda uri: (store, uri.split("://", 1)[1].strip("/"), False))
+    summary = write_run(tmp_path / "r")
+    store.create_dir("runs/r")
+    pafs.copy_files(str(tmp_path / "r"), "runs/r", source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=store)
+    assert main(["report", "mock:///runs/r", "--output", str(tmp_path / "figures")]) == 0
+    out = capsys.readouterr().out
+    assert "source: summary.json" in out and f"{summary['goodput']:.1%}" in out
+    check_png(tmp_path / "figures" / "loss.png")
+    check_png(tmp_path / "figures" / "throughput.png")
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "mock:///runs/r"]) == 0
+    assert "the run folder is remote" in capsys.readouterr().out
+    check_png(tmp_path / "r-report" / "loss.png")
+
+    assert main(["report", "mock:///runs/absent"]) == 2
+    assert capsys.readouterr().err == "error: run folder 'mock:///runs/absent' does not exist\n"
+
+
+@pytest.mark.unit
+def test_report_that_cannot_write_its_figures_is_one_error_line(tmp_path, capsys):
+    folder = tmp_path / "run"
+    write_run(folder)
+    (folder / "loss.png").mkdir()  # unwritable as a file, even for root
+    assert main(["report", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write '{folder / 'loss.png'}'") and err.count("\n") == 1
+    assert main(["report", str(folder), "--output", str(tmp_path / "figures")]) == 0
+    check_png(tmp_path / "figures" / "loss.png")
+
+
+@pytest.mark.unit
+def test_report_of_a_summary_without_optional_figures(tmp_path, capsys):
+    folder = tmp_path / "run"
+    summary = write_run(folder)
+    for key in ("goodput", "ledger", "world_sizes", "padding_efficiency"):
+        summary.pop(key)
+    (folder / "summary.json").write_text(json.dumps(summary))
+    assert main(["report", str(folder)]) == 0
+    check_png(folder / "throughput.png")

@@ -10,21 +10,30 @@ is computed from the logs up to their last line.
 and the eval loss when the run evaluated, and `throughput.png` shows tokens/s against wall time;
 both mark each restart and resize. `ranks.png` (when the records carry every rank's figures) shows
 each rank's busy time per step.
+
+The PNGs go into `--output` when given, else into the run folder; a run folder on remote storage
+(`s3://`, `gs://`: any pyarrow.fs URI) is read through a temporary local copy of those four files
+and its PNGs go into `./<run name>-report/` in the current folder (the output says where).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
+
+from elastic_train.observe.runfolder import local_copy
 from elastic_train.observe.stragglers import RANK_BUSY
 from elastic_train.observe.summary import build_summary, effective_records, ledger, split_records
 
+RUN_FILES = ("metrics.jsonl", "events.jsonl", "attempts.json", "summary.json")  # what it reads
 LEDGER_PARTS = ("startup_s", "productive_s", "recovery_s", "replayed_s", "checkpoint_s",
                 "data_wait_s", "eval_s", "shutdown_s", "other_s")
 
@@ -315,11 +324,16 @@ def _figure():
 
 
 def _save(fig, ax, path: Path) -> None:
-    """Grid, legend, layout, and the PNG: how every plot of the report ends."""
+    """Grid, legend, layout, and the PNG: how every plot of the report ends (ValueError naming
+    the file when it cannot be written: a read-only run folder, say)."""
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        raise ValueError(f"cannot write '{path}': {exc.strerror or exc} (--output DIR writes the "
+                         "figures elsewhere)") from None
 
 
 def _draw_marks(ax, marks: list[Mark], xs: list[float | None]) -> list[Mark]:
@@ -380,10 +394,11 @@ def plot_throughput(run: RunFiles, marks: list[Mark], path: Path) -> list[Mark]:
         ax.plot([r["time"] - origin for r in recs], [r["tokens_per_s"] for r in recs],
                 color=_attempt_colour(k), marker="o", markersize=3, linewidth=1.2,
                 label=_attempt_label(k, recs))
-    overall = run.summary.get("tokens_per_s")
+    overall, goodput = run.summary.get("tokens_per_s"), run.summary.get("goodput")
     if overall:
         ax.axhline(overall, color="black", linestyle=":", linewidth=1,
-                   label=f"fit average {overall:,.0f} tokens/s (goodput {run.summary['goodput']:.0%})")
+                   label=f"fit average {overall:,.0f} tokens/s"
+                         + (f" (goodput {goodput:.0%})" if goodput is not None else ""))
     drawn = _draw_marks(ax, marks, [None if m.time is None else m.time - origin for m in marks])
     ax.set(xlabel="wall time since the run started (s)", ylabel="tokens/s",
            title=f"{run.folder.name}: throughput per step")
@@ -412,28 +427,52 @@ def plot_ranks(run: RunFiles, path: Path) -> bool:
     return True
 
 
-def make_report(folder: str | Path, console=None) -> Report:
+def _download_run_files(fs: pafs.FileSystem, path: str, local: Path) -> None:
+    """Copy `RUN_FILES` of a remote run folder into `local`, their times kept (a summary older
+    than the metrics is recomputed)."""
+    local.mkdir()
+    for info in fs.get_file_info([f"{path}/{name}" for name in RUN_FILES]):
+        if info.type == pafs.FileType.File:
+            with fs.open_input_stream(info.path) as src:
+                (local / info.base_name).write_bytes(src.read())
+            if info.mtime is not None:
+                os.utime(local / info.base_name, (info.mtime.timestamp(),) * 2)
+
+
+def make_report(folder: str | os.PathLike, console=None,
+                output: str | os.PathLike | None = None) -> Report:
     """Print the table to `console` (default: stdout) and write loss.png, throughput.png and,
-    with per-rank figures, ranks.png."""
+    with per-rank figures, ranks.png into `output`: by default the run folder, or for a remote
+    one `./<run name>-report/` (the report never writes to remote storage)."""
     from rich.console import Console
 
-    run = load_run(folder)
     console = console or Console()
+    shown = os.fspath(folder).rstrip("/")
+    with local_copy(folder, _download_run_files, "elastic-train-report-") as (local, remote):
+        run = load_run(local)
+    figures = Path(output) if output is not None else (
+        Path(f"{local.name}-report") if remote else local)
+    try:
+        figures.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot write the figures into '{figures}': {exc.strerror or exc}") from None
     for name, count in run.skipped.items():
-        console.print(f"skipped {count} corrupt or foreign line(s) of {run.folder / name}")
+        console.print(f"skipped {count} corrupt or foreign line(s) of {shown}/{name}")
     console.print(build_table(run))
     marks = find_marks(run.records, run.attempts)
-    loss_png, throughput_png = run.folder / "loss.png", run.folder / "throughput.png"
-    ranks_png = run.folder / "ranks.png"
+    loss_png, throughput_png = figures / "loss.png", figures / "throughput.png"
+    ranks_png = figures / "ranks.png"
     report = Report(run, marks, plot_loss(run, marks, loss_png),
                     plot_throughput(run, marks, throughput_png), loss_png, throughput_png,
                     ranks_png if plot_ranks(run, ranks_png) else None)
     written = [p for p in (report.loss_png, report.throughput_png, report.ranks_png) if p]
-    console.print("wrote " + ", ".join(str(p) for p in written))
+    where = " (the run folder is remote: --output DIR to write them elsewhere)" if (
+        remote and output is None) else ""
+    console.print("wrote " + ", ".join(str(p) for p in written) + where)
     return report
 
 
-def run_report(folder: str) -> int:
+def run_report(folder: str, output: str | None = None) -> int:
     """The `report` subcommand: exit status 0 (a missing run raises FileNotFoundError)."""
-    make_report(folder)
+    make_report(folder, output=output)
     return 0

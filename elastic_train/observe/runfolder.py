@@ -17,7 +17,9 @@ import json
 import os
 import tempfile
 import threading
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -49,6 +51,36 @@ def split_uri(path: str) -> tuple[pafs.FileSystem, str, bool]:
         fs, fs_path = pafs.FileSystem.from_uri(path)
         return fs, fs_path, isinstance(fs, pafs.LocalFileSystem)
     return pafs.LocalFileSystem(), os.path.abspath(path), True
+
+
+@contextmanager
+def local_copy(folder: str | os.PathLike, download: Callable[[pafs.FileSystem, str, Path], None],
+               prefix: str) -> Iterator[tuple[Path, bool]]:
+    """(a run folder as a local folder, whether it is remote): itself when local, else a
+    temporary folder that `download(fs, path, local)` fills with what the caller reads, deleted
+    on exit. Errors (ValueError) name the folder as given (the URI), never the copy."""
+    shown = os.fspath(folder)
+    fs, path, is_local = split_uri(shown) if "://" in shown else (None, shown, True)
+    if is_local:
+        if not Path(path).exists():
+            raise ValueError(f"run folder '{shown}' does not exist")
+        yield Path(path), False
+        return
+    kind = fs.get_file_info(path).type
+    if kind == pafs.FileType.NotFound:
+        raise ValueError(f"run folder '{shown}' does not exist")
+    if kind != pafs.FileType.Directory:
+        raise ValueError(f"'{shown}' is not a run folder: it is a file")
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        local = Path(tmp) / (PurePosixPath(path).name or "run")
+        try:
+            download(fs, path, local)
+        except OSError as exc:
+            raise ValueError(f"run folder '{shown}' is not readable: {exc}") from None
+        try:
+            yield local, True
+        except (ValueError, FileNotFoundError) as exc:
+            raise ValueError(str(exc).replace(str(local), shown)) from None
 
 
 def worker_owned(name: str) -> bool:
