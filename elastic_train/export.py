@@ -168,13 +168,36 @@ def load_run_config(run_folder: Path) -> Config:
         raise ValueError(f"run config '{path}' is not readable: {exc}") from None
 
 
-def run_tokenizer(cfg: Config) -> Tokenizer:
-    """The tokenizer the run's data set records (bytes for byte data)."""
+def run_tokenizer(cfg: Config, recorded: dict | None = None) -> Tokenizer:
+    """The tokenizer the run's data set records (bytes for byte data). `recorded`: the run's
+    provenance (a checkpoint's), which says which tokenizer it trained with. With it, a data set
+    that is gone (deleted, or on another machine: a run folder copied from s3) still gives bytes
+    to a byte run, and one prepared again with another tokenizer is refused (its ids would be
+    decoded with the wrong vocabulary); ValueError naming the data set otherwise."""
     from elastic_train.data.dataset import inspect_dataset, load_dataset_tokenizer
     from elastic_train.data.prepare import default_corpus_dir
+    from elastic_train.data.tokenizer import ByteTokenizer
+    from elastic_train.observe.provenance import tokenizer_hash
 
+    recorded = recorded or {}
     path = cfg.data.path or str(default_corpus_dir(cfg.data.max_seq_len))
-    return load_dataset_tokenizer(inspect_dataset(path))
+    trained = recorded.get("tokenizer_hash")
+    try:
+        info = inspect_dataset(path)
+    except (ValueError, OSError) as exc:
+        if trained == "bytes":
+            return ByteTokenizer()
+        named = f" ({recorded['tokenizer']})" if recorded.get("tokenizer") else ""
+        raise ValueError(f"the run's tokenizer{named} is the copy in its data set, data.path "
+                         f"'{path}', which cannot be read ({exc}): put the data set back there, "
+                         "or export from a machine that has it (an export folder carries the "
+                         "tokenizer)") from None
+    now = tokenizer_hash(info)
+    if trained and now and now != trained:
+        raise ValueError(f"data set '{path}' now holds another tokenizer ({now}) than the run "
+                         f"trained with ({trained}): it was prepared again; its ids would be "
+                         "decoded with the wrong vocabulary")
+    return load_dataset_tokenizer(info)
 
 
 def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
@@ -213,6 +236,8 @@ def _load_trained(folder: Path, shown: str, checkpoint: str | None, model_fn: Mo
         say(line)
     step = state.get("train_state", {}).get("step", "?")
     say(f"checkpoint: {ckpt.name} (step {step}, {choice.why}) of {shown}")
+    provenance = state.get("provenance") if isinstance(state.get("provenance"), dict) else {}
+    tokenizer = run_tokenizer(cfg, provenance)  # before the model: its errors cost no load
     torch.manual_seed(cfg.train.seed)
     model = build_model(_unquantised(cfg.model), cfg.data.max_seq_len, model_fn)
     mismatch = signature_mismatch(state, {n: list(t.shape) for n, t in model.state_dict().items()})
@@ -220,7 +245,7 @@ def _load_trained(folder: Path, shown: str, checkpoint: str | None, model_fn: Mo
         hint = "" if model_fn else " (a run of an inline model: pass its model_fn to export)"
         raise ValueError(f"checkpoint '{ckpt}' {mismatch}{hint}")
     load_model_weights(ckpt, model)  # an fsdp run's rows assembled a tensor at a time
-    return TrainedModel(model.eval(), cfg, ckpt, run_tokenizer(cfg))
+    return TrainedModel(model.eval(), cfg, ckpt, tokenizer)
 
 
 def is_export_folder(folder: Path) -> bool:

@@ -14,6 +14,7 @@ import torch
 from elastic_train.cli import main
 from elastic_train.config import load_config
 from elastic_train.data.prepare import prepare
+from elastic_train.observe.provenance import driver_record
 from elastic_train.preflight.inputs import check_inputs
 from elastic_train.training.checkpoint import snapshot, write_checkpoint
 from elastic_train.training.model import build_model
@@ -26,7 +27,7 @@ def run_folder(storage: Path, name: str, *overrides: str) -> Path:
     the seed's), and its config.yaml."""
     cfg = load_config(None, [f"run.storage_path={storage}", f"run.name={name}", "eval.fraction=0",
                              "checkpoint.keep_best=false", *overrides])
-    check_inputs(cfg)
+    info = check_inputs(cfg)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cfg.data.max_seq_len)
     with torch.no_grad():
@@ -35,7 +36,8 @@ def run_folder(storage: Path, name: str, *overrides: str) -> Path:
                 p.add_(torch.randn_like(p) * 0.05)
     trainable = [p for p in model.parameters() if p.requires_grad]
     snap = snapshot(model, torch.optim.AdamW(trainable), None,
-                    {"step": 1, "epoch": 0, "step_in_epoch": 1}, cfg.to_dict(), world_size=1)
+                    {"step": 1, "epoch": 0, "step_in_epoch": 1}, cfg.to_dict(), world_size=1,
+                    provenance=driver_record(info))
     run = storage / name
     write_checkpoint(snap, run / "checkpoint_000000001")
     (run / "config.yaml").write_text(cfg.to_yaml())
@@ -222,3 +224,30 @@ def test_an_output_that_is_a_link_to_an_empty_folder_is_written_through_it(tmp_p
     (tmp_path / "link").symlink_to(tmp_path / "empty")
     assert main(["export", str(run), "--output", str(tmp_path / "link")]) == 0
     assert (tmp_path / "link").is_symlink() and (tmp_path / "empty" / "model.safetensors").is_file()
+
+
+def test_sample_when_the_data_set_is_gone_or_prepared_again(tmp_path, capsys, bpe_data):
+    """The tokenizer is read from the run's data set. Gone (a run folder copied from s3 to a
+    laptop): a byte run samples as before, from the tokenizer its checkpoint records; a BPE run
+    is one error line naming the data set. Prepared again with another tokenizer: refused."""
+    import shutil
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prepare([stdlib / "textwrap.py"], tmp_path / "bytes", max_seq_len=64)
+    run = run_folder(tmp_path / "runs", "b", *tiny_gpt(str(tmp_path / "bytes")))
+    before = sampled(capsys, run)
+    shutil.rmtree(tmp_path / "bytes")
+    assert sampled(capsys, run) == before
+    shutil.copytree(bpe_data, tmp_path / "bpe")
+    run = run_folder(tmp_path / "runs", "p", *tiny_gpt(str(tmp_path / "bpe")))
+    shutil.rmtree(tmp_path / "bpe")
+    prepare([stdlib / "textwrap.py"], tmp_path / "bpe", max_seq_len=64)  # bytes now
+    assert main(["sample", str(run), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"error: data set '{tmp_path / 'bpe'}' now holds another tokenizer "
+                          "(bytes) than the run trained with"), err
+    shutil.rmtree(tmp_path / "bpe")
+    assert main(["export", str(run), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("error: the run's tokenizer (") and f"'{tmp_path / 'bpe'}'" in err, err
+    assert "does not exist" in err and not (tmp_path / "out").exists()
