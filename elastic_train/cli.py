@@ -44,17 +44,26 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+# prepare's defaults on the command line (a re-chunk of a prepared data set takes none of them).
+CLI_PREPARE_DEFAULTS = {"max_seq_len": 512, "seed": 0, "eval_fraction": 0.03}
+
+
 def _prepare(args: argparse.Namespace) -> int:
     import time
 
     from elastic_train.cluster.prepare_ray import choose_engine, prepare_ray, summary_line
     from elastic_train.data.prepare import prepare
+    from elastic_train.data.rechunk import is_token_dataset
 
     started = time.perf_counter()
-    engine = choose_engine(args.engine, args.inputs)
+    engine = choose_engine(args.engine, args.inputs, args.text_field)
     run = prepare_ray if engine == "ray" else prepare  # the same shards either way
-    stats = run(args.inputs, args.output, max_seq_len=args.max_seq_len, seed=args.seed,
-                rows_per_block=args.rows_per_block, eval_fraction=args.eval_fraction,
+    given = {"max_seq_len": args.max_seq_len, "seed": args.seed,
+             "eval_fraction": args.eval_fraction}
+    if not is_token_dataset(args.inputs, args.text_field):  # a re-chunk takes only what is given
+        given = {key: CLI_PREPARE_DEFAULTS[key] if value is None else value
+                 for key, value in given.items()}
+    stats = run(args.inputs, args.output, **given, rows_per_block=args.rows_per_block,
                 tokenizer=args.tokenizer, text_field=args.text_field,
                 prompt_field=args.prompt_field, response_field=args.response_field)
     if engine == "local":  # prepare_ray prints its own final line
@@ -111,9 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="text, JSONL or Parquet files, or folders -> Parquet shards")
     p.add_argument("inputs", nargs="+", help="text, .jsonl or .parquet files, or folders of them")
     p.add_argument("--output", required=True, help="folder for the shards (must hold none yet)")
-    p.add_argument("--max-seq-len", type=int, default=512, help="longest row, in tokens")
-    p.add_argument("--seed", type=int, default=0, help="seed of the row shuffle")
-    p.add_argument("--eval-fraction", type=float, default=0.03,
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="longest row, in tokens (default 512)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the row shuffle (default 0)")
+    p.add_argument("--eval-fraction", type=float, default=None,
                    help="share of documents held out, all their rows, into OUTPUT/eval/ (a data "
                         "set of its own), which eval.fraction > 0 evaluates on (default 0.03; "
                         "0: none)")

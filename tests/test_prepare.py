@@ -709,3 +709,27 @@ def test_re_chunking_refuses_the_options_it_does_not_honour(option, tmp_path, bp
     stats = prepare([tmp_path / "data"], tmp_path / "re", rows_per_block=3, max_seq_len=64,
                     eval_fraction=0.3)
     assert stats["rows_per_block"] == 3 and stats["rechunked_from"] == str(tmp_path / "data")
+
+
+def test_the_command_line_re_chunks_with_only_the_options_typed(tmp_path, monkeypatch, capsys):
+    """The command line's defaults for text (--max-seq-len 512, --eval-fraction 0.03) are not
+    given to a re-chunk: a data set of 600-token rows with a 0.2 split re-chunks as typed, in the
+    local engine even where auto would choose Ray; an option typed that it cannot honour (a
+    split for a data set without one) is refused."""
+    (tmp_path / "in").mkdir()
+    for i in range(12):
+        (tmp_path / "in" / f"doc{i}.txt").write_text(f"document {i} " * 120)  # > 1000 bytes
+    prepare([tmp_path / "in"], tmp_path / "long", max_seq_len=600, eval_fraction=0.2)
+    assert inspect_dataset(str(tmp_path / "long")).max_length > 512
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # auto would pick Ray: none listens there
+    assert cli_main(["prepare", str(tmp_path / "long"), "--output", str(tmp_path / "re"),
+                     "--rows-per-block", "2"]) == 0
+    stats = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert stats["rows_per_block"] == 2 and stats["eval"]["fraction"] == 0.2
+    assert stats["max_seq_len"] == 600
+    prepare([tmp_path / "in"], tmp_path / "whole", max_seq_len=600)
+    assert cli_main(["prepare", str(tmp_path / "whole"), "--output", str(tmp_path / "re2"),
+                     "--eval-fraction", "0.1"]) == 2
+    assert "--eval-fraction 0.1 (it has no held-out split, and none is made)" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "re2").exists()

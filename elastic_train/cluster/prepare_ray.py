@@ -98,8 +98,11 @@ from elastic_train.data.prepare import (
     _check_output_free,
     check_output_apart,
     folder_stats,
+    prepare,
     refuse_leftovers,
+    with_defaults,
 )
+from elastic_train.data.rechunk import is_token_dataset
 from elastic_train.data.rowgroups import auto_rows_per_block
 from elastic_train.data.sft import SFT_COUNTS, RecordFields, SftCounts
 from elastic_train.data.sources import (
@@ -409,13 +412,13 @@ def prepare_ray(
     inputs: Sequence[PathLike],
     output: PathLike,
     *,
-    max_seq_len: int = 256,
+    max_seq_len: int | None = None,
     rows_per_shard: int = 20000,
     rows_per_block: int | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     tokenizer: Tokenizer | PathLike | None = None,
     text_field: str = "text",
-    eval_fraction: float = 0.0,
+    eval_fraction: float | None = None,
     prompt_field: str = "prompt",
     response_field: str = "response",
     num_cpus: int | None = None,
@@ -432,6 +435,11 @@ def prepare_ray(
     tokenizing run before Ray starts.
     """
     _check_arguments(max_seq_len, rows_per_shard, rows_per_block, seed, eval_fraction)
+    if is_token_dataset(inputs, text_field):  # a re-chunk: new row groups, no tokenizing
+        return prepare(inputs, output, max_seq_len=max_seq_len, rows_per_shard=rows_per_shard,
+                       rows_per_block=rows_per_block, seed=seed, tokenizer=tokenizer,
+                       text_field=text_field, eval_fraction=eval_fraction)
+    max_seq_len, seed, eval_fraction = with_defaults(max_seq_len, seed, eval_fraction)
     fs, root, target = _output_location(output)
     if "://" not in str(output):
         check_output_apart(inputs, Path(output))
@@ -478,13 +486,16 @@ def prepare_ray(
     return stats
 
 
-def choose_engine(engine: str, inputs: Sequence[PathLike]) -> str:
+def choose_engine(engine: str, inputs: Sequence[PathLike], text_field: str = "text") -> str:
     """"ray" or "local" for `engine` ("auto" | "ray" | "local"). Auto: Ray when `RAY_ADDRESS` is
-    set or the input files hold at least `AUTO_RAY_MIN_BYTES`; both give the same shards."""
+    set or the input files hold at least `AUTO_RAY_MIN_BYTES`; both give the same shards. A
+    prepared data set is re-chunked, which tokenizes nothing: local."""
     if engine not in ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, not '{engine}'")
     if engine != "auto":
         return engine
+    if is_token_dataset(inputs, text_field):
+        return "local"
     if os.environ.get("RAY_ADDRESS"):
         return "ray"
     total = 0

@@ -74,6 +74,9 @@ DEFAULT_CORPUS_BYTES = 4_000_000
 # they are cut or what `_prepare.json` records changes, so that a corpus cached by an older
 # version is not reused.
 CORPUS_FORMAT = 5
+# What `prepare` and `prepare_ray` take for text when an argument is not given (the CLI's own
+# defaults: --max-seq-len 512, --eval-fraction 0.03).
+PREPARE_DEFAULTS = {"max_seq_len": 256, "seed": 0, "eval_fraction": 0.0}
 # Rows of the default corpus when data.max_seq_len is unset (then it is taken from the corpus).
 DEFAULT_CORPUS_SEQ_LEN = 512
 # Documents of the default corpus held out in its `eval/` (the default config's eval.fraction).
@@ -151,13 +154,13 @@ def prepare(
     inputs: Sequence[PathLike],
     output: PathLike,
     *,
-    max_seq_len: int = 256,
+    max_seq_len: int | None = None,
     rows_per_shard: int = 20000,
     rows_per_block: int | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     tokenizer: Tokenizer | PathLike | None = None,
     text_field: str = "text",
-    eval_fraction: float = 0.0,
+    eval_fraction: float | None = None,
     prompt_field: str = "prompt",
     response_field: str = "response",
 ) -> dict:
@@ -192,6 +195,7 @@ def prepare(
         check_rechunk(inputs[0], tokenizer=tokenizer, seed=seed, max_seq_len=max_seq_len,
                       eval_fraction=eval_fraction)
         return rechunk(inputs[0], out, rows_per_block)
+    max_seq_len, seed, eval_fraction = with_defaults(max_seq_len, seed, eval_fraction)
     if tokenizer is None or isinstance(tokenizer, str | os.PathLike):
         tokenizer = load_tokenizer(tokenizer)
     skipped: list[tuple[Path, str]] = []
@@ -237,17 +241,27 @@ def prepare(
     return stats
 
 
-def _check_arguments(max_seq_len: int, rows_per_shard: int, rows_per_block: int | None, seed: int,
-                     eval_fraction: float) -> None:
-    """ValueError naming the argument that cannot be used (both engines check these)."""
+def with_defaults(max_seq_len: int | None, seed: int | None,
+                  eval_fraction: float | None) -> tuple[int, int, float]:
+    """Text to tokenize: the arguments, `PREPARE_DEFAULTS` where not given (None). A re-chunk
+    takes only what was given (`rechunk.check_rechunk` refuses what it cannot honour)."""
+    given = {"max_seq_len": max_seq_len, "seed": seed, "eval_fraction": eval_fraction}
+    return tuple(PREPARE_DEFAULTS[k] if v is None else v for k, v in given.items())
+
+
+def _check_arguments(max_seq_len: int | None, rows_per_shard: int, rows_per_block: int | None,
+                     seed: int | None, eval_fraction: float | None) -> None:
+    """ValueError naming the argument that cannot be used (both engines check these; None:
+    not given)."""
     if rows_per_block is not None and rows_per_block < 1:
         raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
-    if max_seq_len < 1 or rows_per_shard < 1:
+    if (max_seq_len is not None and max_seq_len < 1) or rows_per_shard < 1:
         raise ValueError(f"max_seq_len ({max_seq_len}) and rows_per_shard ({rows_per_shard}) "
                          "must both be at least 1")
-    if seed < 0:
+    if seed is not None and seed < 0:
         raise ValueError(f"--seed must be >= 0, got {seed}")
-    check_fraction(eval_fraction)
+    if eval_fraction is not None:
+        check_fraction(eval_fraction)
 
 
 def _check_output_free(output: Path) -> None:

@@ -10,7 +10,6 @@ A held-out set that `prepare --eval-fraction` wrote beside the shards (`eval/`) 
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -21,8 +20,6 @@ import pyarrow.parquet as pq
 from elastic_train.data.dataset import STATS_FILE, TOKENIZER_DIR, inspect_dataset, pending_marker
 from elastic_train.data.heldout import EVAL_DIR
 from elastic_train.data.rowgroups import auto_rows_per_block
-
-logger = logging.getLogger("elastic_train.prepare")
 
 
 def is_token_dataset(inputs, text_field: str) -> bool:
@@ -37,13 +34,13 @@ def is_token_dataset(inputs, text_field: str) -> bool:
     return {"id", "tokens", "length"} <= set(names) and text_field not in names
 
 
-def check_rechunk(source: str | Path, *, tokenizer, seed: int, max_seq_len: int,
-                  eval_fraction: float) -> None:
+def check_rechunk(source: str | Path, *, tokenizer, seed: int | None, max_seq_len: int | None,
+                  eval_fraction: float | None) -> None:
     """Refuse what a re-chunk would silently not do: a folder holding text files beside its
     shards (re-chunking would skip them), a tokenizer, a seed (rows keep their tokens, ids and
     order), a max_seq_len shorter than the rows (they are kept whole), a held-out fraction
-    other than the source's split. ValueError naming each; a source without a split keeps none
-    (warned: the CLI's --eval-fraction has a default, so it cannot be told from one given)."""
+    other than the source's split (a source without one keeps none). ValueError naming each;
+    None: not given (the CLI gives only what its user typed for a re-chunk)."""
     from elastic_train.data.sources import files_under
 
     folder = Path(source)
@@ -62,17 +59,16 @@ def check_rechunk(source: str | Path, *, tokenizer, seed: int, max_seq_len: int,
     refused = [f"--tokenizer '{tokenizer}'" if tokenizer is not None else "",
                f"--seed {seed} (rows keep their ids and order)" if seed else "",
                f"--max-seq-len {max_seq_len} (rows of up to {longest} tokens are kept whole)"
-               if max_seq_len < longest else "",
-               f"--eval-fraction {eval_fraction} (the held-out split of {split} is kept)"
-               if split and eval_fraction and eval_fraction != split else ""]
+               if max_seq_len is not None and max_seq_len < longest else "",
+               f"--eval-fraction {eval_fraction} (" + (
+                   f"the held-out split of {split} is kept)" if split else
+                   "it has no held-out split, and none is made)")
+               if eval_fraction is not None and eval_fraction != split else ""]
     if any(refused):
         raise ValueError(f"input '{source}' is tokenized already, so prepare only re-chunks it "
                          f"(new row groups, --rows-per-block): it would not honour "
                          f"{', '.join(item for item in refused if item)}; leave them out, or "
                          "prepare the original text again")
-    if eval_fraction and not split:
-        logger.warning("input '%s' has no held-out split and re-chunking keeps it so: "
-                       "--eval-fraction %s is not applied", source, eval_fraction)
 
 
 def rechunk(source: str | Path, output: str | Path, rows_per_block: int | None) -> dict:
