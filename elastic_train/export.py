@@ -454,7 +454,8 @@ def generate(trained: TrainedModel, prompt: str, max_new_tokens: int = 100,
     """The prompt's continuation, sampled token by token (temperature 0: greedy), up to
     `max_new_tokens` or the tokenizer's end-of-text token."""
     tok, max_len = trained.tokenizer, trained.config.data.max_seq_len
-    ids = tok.encode(prompt) or ([tok.eos_id] if tok.eos_id is not None else [0])
+    bos = [] if tok.bos_id is None else [tok.bos_id]  # as the documents trained on began
+    ids = bos + tok.encode(prompt) or ([tok.eos_id] if tok.eos_id is not None else [0])
     generator = torch.Generator().manual_seed(seed)
     new: list[int] = []
     for _ in range(max_new_tokens):

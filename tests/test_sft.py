@@ -357,3 +357,63 @@ def test_a_template_gets_the_tokenizers_special_tokens_as_transformers_gives_the
     assert rendered.startswith("<pad><|user|>")
     assert load_tokenizer(folder).decode(row["tokens"]) == rendered
     assert row["tokens"][0] == 1 and row["loss_mask"][0] == 0  # "<pad>", id 1, no target
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(bpe_tokenizer, tmp_path_factory) -> str:
+    """The BPE tokenizer with a Llama-style post-processor: `<s>` before every text."""
+    from tokenizers import Tokenizer, processors
+
+    backend = Tokenizer.from_file(bpe_tokenizer)
+    backend.add_special_tokens(["<s>"])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", backend.token_to_id("<s>"))])
+    path = tmp_path_factory.mktemp("bos") / "tokenizer.json"
+    backend.save(str(path))
+    return str(path)
+
+
+@pytest.mark.unit
+def test_documents_prompts_and_examples_begin_with_the_bos_the_tokenizer_adds(
+        bos_tokenizer, bpe_tokenizer, tmp_path):
+    """A tokenizer whose post-processor puts a BOS before every text (Llama, Gemma) gives each
+    document, text record and prompt/response example that BOS first, as transformers'
+    tokenizer(text) does and the pretrained model saw; one without (GPT-2, most trained here)
+    gives none. Sampling puts it before the prompt; `_prepare.json` records it."""
+    from transformers import PreTrainedTokenizerFast
+
+    from elastic_train.config import load_config
+    from elastic_train.export import TrainedModel, generate
+
+    tok = load_tokenizer(bos_tokenizer)
+    assert tok.bos_id == tok.backend.token_to_id("<s>") and load_tokenizer(bpe_tokenizer).bos_id is None
+    reference = PreTrainedTokenizerFast(tokenizer_file=bos_tokenizer)
+    text = "def f(x):\n    return x + 1\n"
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text(text)
+    (tmp_path / "in" / "b.jsonl").write_text(
+        json.dumps({"text": "plain words"}) + "\n"
+        + json.dumps({"prompt": "Q: two?", "response": " 2"}) + "\n")
+    stats = prepare([tmp_path / "in"], tmp_path / "out", max_seq_len=64, tokenizer=bos_tokenizer)
+    assert stats["tokenizer"]["bos_id"] == tok.bos_id
+    rows = pa.concat_tables(pq.read_table(p) for p in sorted((tmp_path / "out").glob("*.parquet")))
+    by_doc = {row["doc"]: row for row in rows.to_pylist()}
+    assert [by_doc[0]["tokens"], by_doc[1]["tokens"]] == [
+        reference(text)["input_ids"] + [tok.eos_id], reference("plain words")["input_ids"] + [tok.eos_id]]
+    example = by_doc[2]
+    assert example["tokens"][:1] == [tok.bos_id] and example["loss_mask"][0] == 0
+    assert example["tokens"][1:] == tok.encode("Q: two?") + tok.encode(" 2") + [tok.eos_id]
+
+    class Recorder(nn.Module):  # records the context sampling feeds the model
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[list[int]] = []
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            self.seen.append(tokens[0].tolist())
+            return torch.zeros(*tokens.shape, tok.vocab_size)
+
+    model = Recorder()
+    cfg = load_config(None, ["data.max_seq_len=64"])
+    generate(TrainedModel(model, cfg, tmp_path, tok), "plain", max_new_tokens=1, temperature=0)
+    assert model.seen[0] == [tok.bos_id, *tok.encode("plain")]

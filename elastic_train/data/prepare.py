@@ -145,9 +145,11 @@ def folder_stats(counts: dict, *, max_seq_len: int, source_files: int, skipped: 
 
 
 def _tokenizer_record(tokenizer: Tokenizer) -> dict:
-    """The `tokenizer` section of `_prepare.json`."""
-    return {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size),
-            "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id}
+    """The `tokenizer` section of `_prepare.json` (`bos_id` only when it has one: the records
+    of the others, and so their data hashes, are those earlier versions wrote)."""
+    record = {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size),
+              "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id}
+    return record if tokenizer.bos_id is None else {**record, "bos_id": tokenizer.bos_id}
 
 
 def prepare(

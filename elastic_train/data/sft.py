@@ -252,7 +252,8 @@ def _encode_segments(segments: list[tuple[str, bool]], tokenizer: Tokenizer
 
 def encode_example(example: Example, tokenizer: Tokenizer, max_seq_len: int,
                    counts: SftCounts) -> tuple[np.ndarray, np.ndarray] | None:
-    """An example's row: (tokens, loss_mask), the EOS after the answer (after the conversation,
+    """An example's row: (tokens, loss_mask), the tokenizer's BOS first for a prompt/response
+    example (a chat template writes its own), the EOS after the answer (after the conversation,
     a target when it ends with an assistant message, unless the template wrote it); None when it
     is dropped (`TRUNCATION_RULE`). Counts it in `counts`."""
     counts.examples += 1
@@ -264,6 +265,9 @@ def encode_example(example: Example, tokenizer: Tokenizer, max_seq_len: int,
         segments = _example_segments(example, tokenizer)
         ends_with_answer = bool(example.messages) and example.messages[-1]["role"] == "assistant"
     ids, mask = _encode_segments(segments, tokenizer)
+    if example.messages is None and tokenizer.bos_id is not None:  # a template writes its own
+        ids = np.concatenate([np.asarray([tokenizer.bos_id], ids.dtype), ids]).astype(ids.dtype)
+        mask = np.concatenate([np.zeros(1, np.int8), mask])
     eos = tokenizer.eos_id
     if eos is not None and (len(ids) == 0 or int(ids[-1]) != eos):
         ids = np.append(ids, np.asarray(eos, ids.dtype)).astype(ids.dtype)

@@ -149,29 +149,31 @@ def chunk_rows(ids: np.ndarray, max_seq_len: int) -> list[np.ndarray]:
 
 def tokenized_file_documents(
     data: bytes, *, python: bool, encode: Callable[[bytes], np.ndarray],
-    eos_id: int | None, max_seq_len: int,
+    eos_id: int | None, max_seq_len: int, bos_id: int | None = None,
 ) -> Iterator[list[np.ndarray]]:
     """The rows of a text file for a tokenizer, one list per natural document, in order: each
-    document is tokenized with `encode` and `eos_id` appended; a Python one longer than a row
-    is cut again at blank lines into paragraph groups of about half a row (bytes per token
-    measured on it), only its last group getting the EOS; what is still longer is cut into
-    chunks. A document that encodes to nothing gives no list."""
+    document is tokenized with `encode`, `bos_id` put before it and `eos_id` appended; a
+    Python one longer than a row is cut again at blank lines into paragraph groups of about
+    half a row (bytes per token measured on it), only its first group getting the BOS and its
+    last the EOS; what is still longer is cut into chunks. A document that encodes to nothing
+    gives no list."""
     eos = np.array([] if eos_id is None else [eos_id], dtype=np.int64)
+    bos = np.array([] if bos_id is None else [bos_id], dtype=np.int64)
     bounds = _natural_bounds(data, python=python)
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         ids = encode(data[start:end])
         if len(ids) == 0:
             continue
-        if not python or len(ids) + len(eos) <= max_seq_len:
-            yield chunk_rows(np.concatenate([ids, eos]).astype(ids.dtype), max_seq_len)
+        if not python or len(bos) + len(ids) + len(eos) <= max_seq_len:
+            yield chunk_rows(np.concatenate([bos, ids, eos]).astype(ids.dtype), max_seq_len)
             continue
         limit = max((max_seq_len // 2) * (end - start) // len(ids), 1)
         groups = _grouped_paragraph_cuts(data, start, end, limit) + [end]
         rows = []
         for group_start, group_end in zip(groups[:-1], groups[1:], strict=True):
             piece = encode(data[group_start:group_end])
-            if group_end == end:
-                piece = np.concatenate([piece, eos]).astype(piece.dtype)
+            piece = np.concatenate([bos if group_start == start else bos[:0], piece,
+                                    eos if group_end == end else eos[:0]]).astype(piece.dtype)
             rows.extend(chunk_rows(piece, max_seq_len))
         yield rows
 
@@ -404,23 +406,25 @@ def _text_file_documents(file: Path, tokenizer: Tokenizer, max_seq_len: int
         return np.asarray(tokenizer.encode(text.decode("utf-8", errors="replace")), np.int32)
 
     yield from tokenized_file_documents(data, python=python, encode=encode,
-                                        eos_id=tokenizer.eos_id, max_seq_len=max_seq_len)
+                                        eos_id=tokenizer.eos_id, max_seq_len=max_seq_len,
+                                        bos_id=tokenizer.bos_id)
 
 
 def _record_documents(items: Iterable[Item], tokenizer: Tokenizer, max_seq_len: int,
                       sft: SftCounts) -> Iterator[list[Row]]:
     """The rows of JSONL/Parquet records, one list per record: a text's tokens (UTF-8 bytes
-    without a tokenizer), the EOS appended, cut into chunks of `max_seq_len`; a fine-tuning
-    example's one row with its loss mask (none when it is dropped: `sft.TRUNCATION_RULE`),
-    counted in `sft`."""
+    without a tokenizer), the BOS of a tokenizer that has one before them and the EOS after,
+    cut into chunks of `max_seq_len`; a fine-tuning example's one row with its loss mask (none
+    when it is dropped: `sft.TRUNCATION_RULE`), counted in `sft`."""
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     records = iter(items)
     while batch := list(itertools.islice(records, ENCODE_BATCH_RECORDS)):
         texts = [item for item in batch if isinstance(item, str)]
         if tokenizer.kind == "bytes":
             encoded = iter([np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts])
         else:
-            encoded = iter([np.asarray(ids + eos, dtype=np.int32) if ids else None
+            encoded = iter([np.asarray(bos + ids + eos, dtype=np.int32) if ids else None
                             for ids in tokenizer.encode_batch(texts)])
         for item in batch:
             if isinstance(item, str):

@@ -39,6 +39,7 @@ class Tokenizer(Protocol):
     kind: str  # "bytes" | "hf"
     vocab_size: int  # every id is below this
     eos_id: int | None  # appended after each document by prepare; None: no end marker
+    bos_id: int | None  # put before each document and prompt (`HFTokenizer.bos_id`); None: none
     pad_id: int | None  # None: the tokenizer has no padding token
     chat_template: str | None  # renders chat records (`sft.py`); None: the tokenizer has none
 
@@ -56,6 +57,7 @@ class ByteTokenizer:
     kind = "bytes"
     vocab_size = BYTE_VOCAB
     eos_id: int | None = None
+    bos_id: int | None = None
     pad_id: int | None = None
     chat_template: str | None = None
 
@@ -93,6 +95,7 @@ class HFTokenizer:
         self.backend = backend  # a tokenizers.Tokenizer
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         self.eos_id = eos_id
+        self.bos_id = _leading_special(backend)
         self.pad_id = pad_id
         self.chat_template = chat_template
         # the source folder's tokenizer_config.json (its special tokens, bos included, extra
@@ -156,6 +159,16 @@ class HFTokenizer:
         if self.chat_template:
             wrapped.chat_template = self.chat_template
         wrapped.save_pretrained(str(folder))
+
+
+def _leading_special(backend: Any) -> int | None:
+    """The id the tokenizer's post-processor puts before a text (Llama's and Gemma's BOS), as
+    transformers' `tokenizer(text)` adds it and the models were trained with; None when it puts
+    none (GPT-2, a tokenizer trained without a post-processor) or more than one token."""
+    probe = "a b"
+    plain = backend.encode(probe, add_special_tokens=False).ids
+    full = backend.encode(probe, add_special_tokens=True).ids
+    return int(full[0]) if len(full) > len(plain) and full[1:len(plain) + 1] == plain else None
 
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names a chat template may use
