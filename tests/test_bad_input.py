@@ -179,6 +179,21 @@ def big_token_ids(tmp: Path, data: str) -> str:
     return str(tmp / "big.parquet")
 
 
+def with_column(tmp: Path, data: str, name: str, values, shards: int = 1) -> str:
+    """The good data set's shards with column `name` added (of `values`, cycled) to the first
+    `shards` of them."""
+    import shutil
+
+    out = tmp / f"col-{name}"
+    shutil.copytree(data, out)
+    for k, file in enumerate(sorted(out.glob("*.parquet"))):
+        if k < shards:
+            table = pq.read_table(file)
+            column = pa.array([values[i % len(values)] for i in range(table.num_rows)])
+            pq.write_table(table.append_column(name, column), file, row_group_size=8)
+    return str(out)
+
+
 def unfinished_prepare(tmp: Path, data: str) -> str:
     """A prepare killed while it wrote: its marker still there, no `_prepare.json` (written
     last). The same shards without either (copied out of a prepared folder: test_models) are a
@@ -224,6 +239,14 @@ def resume(*overrides: str, before: Callable[[Path], None] | None = None):
             before(run)
         return list(overrides)
     return train_with(make)
+
+
+def with_own_loss(run: Path) -> None:
+    """The run's latest checkpoint as the Python API's train(cfg, loss_fn=my_loss) writes it."""
+    path = run / "checkpoint_000000002" / "state.json"
+    state = json.loads(path.read_text())
+    state["config"]["train"]["loss_fn"] = "driver.my_loss"
+    path.write_text(json.dumps(state))
 
 
 def resume_on_a_copy(tmp: Path, data: str) -> list[str]:
@@ -399,6 +422,15 @@ CASES = [
          "s.parquet': column 'tokens' must be a list of integer token ids, not list<element: string>"),
     Case("negative token id", data_case(negative_token), "n.parquet': column 'tokens' holds the "
          "negative token id -2"),
+    Case("an extra column named as a batch key", data_case(
+        lambda tmp, data: with_column(tmp, data, "labels", [0, 1], shards=99)),
+         "column 'labels' has the name of a key every batch has"),
+    Case("an extra column a later shard lacks", data_case(
+        lambda tmp, data: with_column(tmp, data, "label", [0, 1])),
+         "part-00001.parquet' has no column 'label', which"),
+    Case("an extra column with nulls", data_case(
+        lambda tmp, data: with_column(tmp, data, "label", [0, None, 1], shards=99)),
+         "row group 0: column 'label' holds 3 null value(s)"),
     Case("token ids beyond the model's vocabulary, no _prepare.json",
          data_case(big_token_ids, "model.vocab_size=256"),
          "embedding has 256 rows but data set"),
@@ -430,6 +462,9 @@ CASES = [
          "model.kwargs: hidden not known to model.name=gpt"),
     Case("config of an inline model on the command line", train("model.inline_fn=driver.make_model"),
          "model.inline_fn"),
+    Case("config of a run with a loss of its own on the command line",
+         train("train.loss_fn=driver.my_loss"),
+         "train.loss_fn: this config is that of a run with a loss of its own (driver.my_loss)"),
     # resume
     Case("corrupt checkpoint state.json", resume(before=lambda run: (
         run / "checkpoint_000000002" / "state.json").write_text('{"cut')), "state.json"),
@@ -449,6 +484,9 @@ CASES = [
         json.dumps({**json.loads((run / "dataset.json").read_text()),
                     "shards": [["part-00000.parquet", 1]]}))), "shards changed"),
     Case("resume another model", resume("model.d_model=64"), "does not fit the configured model"),
+    Case("resume of a run with a loss of its own, without it", resume(before=with_own_loss),
+         "train.loss_fn: run t's latest checkpoint checkpoint_000000002 was trained with a loss "
+         "of its own (driver.my_loss), and this resume would go on with the default loss"),
     Case("resume with another optimizer", resume("optim.name=adamw8bit"),
          "optim.name: run t's latest checkpoint checkpoint_000000002 holds the state of adamw "
          "(its moments), which adamw8bit cannot take: resume with optim.name=adamw"),

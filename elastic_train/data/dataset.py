@@ -270,17 +270,63 @@ def dataset_blocks(info: DatasetInfo) -> BlockTable:
     return build_block_table(info.filesystem, info.files, [_uri(info, f) for f in info.files])
 
 
+# Keys every batch has (`batches.make_batch`): a column of one of these names would replace it.
+BATCH_KEYS = ("tokens", "attention_mask", "position_ids", "labels", "lengths")
+# Columns that never reach the loss: the required ones and prepare's bookkeeping.
+NOT_EXTRA = ("id", "tokens", "length", "source", "offset", "doc")
+
+
+def _numeric(t: pa.DataType) -> bool:
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        t = t.value_type
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _extra_fields(schema: pa.Schema) -> list[pa.Field]:
+    return [f for f in schema if f.name not in NOT_EXTRA and _numeric(f.type)]
+
+
 def extra_columns(info: DatasetInfo) -> tuple[str, ...]:
     """Numeric columns of the data set beyond id/tokens/length (e.g. `label`): they reach the
-    loss in the batch. `source`, `offset` and `doc` (written by prepare) are left out."""
+    loss in the batch. `source`, `offset` and `doc` (written by prepare) are left out
+    (`check_extra_columns` has refused what would not arrive whole)."""
     with info.filesystem.open_input_file(info.files[0]) as f:
         schema = pq.read_schema(f)
-    def numeric(t) -> bool:
-        if pa.types.is_list(t) or pa.types.is_large_list(t):
-            t = t.value_type
-        return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
-    skip = {"id", "tokens", "length", "source", "offset", "doc"}
-    return tuple(f.name for f in schema if f.name not in skip and numeric(f.type))
+    return tuple(f.name for f in _extra_fields(schema))
+
+
+def check_extra_columns(info: DatasetInfo) -> None:
+    """ValueError naming the column and shard when an extra column (`extra_columns`) would not
+    reach the loss as it is: its name is one the batch already has (`BATCH_KEYS`: it would
+    replace `labels`, say), a later shard lacks it (the worker failed on a schema mismatch), or
+    it holds nulls (read as NaN: a null label counted as a value)."""
+    first = info.files[0]
+    with info.filesystem.open_input_file(first) as f:
+        fields = {field.name for field in _extra_fields(pq.read_schema(f))}
+    taken = sorted(fields & set(BATCH_KEYS))
+    if taken:
+        raise ValueError(f"dataset file '{first}': column '{taken[0]}' has the name of a key "
+                         f"every batch has ({', '.join(BATCH_KEYS)}): rename it, it would "
+                         "replace that key in the loss's batch")
+    for file in info.files if fields else ():  # footers only, and only when a column goes
+        with info.filesystem.open_input_file(file) as f:
+            parquet = pq.ParquetFile(f)
+            lacking = sorted(fields - set(parquet.schema_arrow.names))
+            if lacking:
+                raise ValueError(f"dataset file '{file}' has no column '{lacking[0]}', which "
+                                 f"'{first}' has and the loss is given: every shard needs it")
+            metadata = parquet.metadata
+            for group in range(metadata.num_row_groups):
+                row_group = metadata.row_group(group)
+                for i in range(row_group.num_columns):
+                    column = row_group.column(i)
+                    name = column.path_in_schema.split(".", 1)[0]
+                    stats = column.statistics
+                    if (name in fields and stats is not None and stats.has_null_count
+                            and stats.null_count):
+                        raise ValueError(f"dataset file '{file}', row group {group}: column "
+                                         f"'{name}' holds {stats.null_count} null value(s); the "
+                                         "loss would read them as NaN: fill them or drop the rows")
 
 
 def _uri(info: DatasetInfo, path: str) -> str:
