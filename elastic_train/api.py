@@ -98,7 +98,7 @@ def train(cfg: Config, model_fn: ModelFn | None = None, loss_fn: LossFn | None =
     startup = {"process_start": psutil.Process().create_time(), "train_call": time.time()}
     check_packages(cfg)  # first: the model check below would import them
     check_tracking(cfg)
-    info = check_inputs(cfg, model_fn)
+    info = check_inputs(cfg, model_fn, loss_fn)
     with RunLock(cfg):  # one run at a time in a run folder: a second one is refused here
         return _train(cfg, model_fn, loss_fn, progress, verbose, startup, info)
 

@@ -216,7 +216,7 @@ def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
 def _load_trained(folder: Path, shown: str, checkpoint: str | None, model_fn: ModelFn | None,
                   say: Callable[[str], None]) -> TrainedModel:
     if checkpoint is None and is_export_folder(folder):
-        return load_exported(folder)
+        return load_exported(folder, model_fn)
     cfg = load_run_config(folder)
     if cfg.model.inline_fn and model_fn is None:
         raise ValueError(
@@ -257,21 +257,23 @@ def is_export_folder(folder: Path) -> bool:
             or ((folder / "model.safetensors").is_file() and (folder / "config.yaml").is_file()))
 
 
-def load_exported(folder: Path) -> TrainedModel:
+def load_exported(folder: Path, model_fn: ModelFn | None = None) -> TrainedModel:
     """The model of an export folder, for `sample`: a transformers model, LoRA adapters merged
-    into the base their adapter_config.json names, or our own model from its `config.yaml`;
-    the tokenizer beside it (bytes without one)."""
+    into the base their adapter_config.json names, or our own model from its `config.yaml`
+    (an inline model built by `model_fn`, which it needs); the tokenizer beside it (bytes
+    without one)."""
     from elastic_train.data.tokenizer import load_tokenizer
 
     if (folder / "config.yaml").is_file() and not (folder / "config.json").is_file():
         cfg = load_run_config(folder)
-        if cfg.model.inline_fn:
+        if cfg.model.inline_fn and model_fn is None:
             raise ValueError(f"export '{folder}' holds an inline model ({cfg.model.inline_fn}), "
-                             "which its config cannot rebuild: load it with your model_fn")
+                             "which its config cannot rebuild: load it with your model_fn, "
+                             "load_trained(EXPORT, model_fn=...)")
         from safetensors.torch import load_model
 
         model = build_model(replace(cfg.model, lora=replace(cfg.model.lora, r=0)),
-                            cfg.data.max_seq_len)
+                            cfg.data.max_seq_len, model_fn)
         load_model(model, str(folder / "model.safetensors"))
         tokenizer = load_tokenizer(folder / "tokenizer" if (folder / "tokenizer").is_dir() else None)
         return TrainedModel(model.eval(), cfg, folder, tokenizer)

@@ -143,3 +143,25 @@ def test_the_drivers_meta_model_has_the_shapes_and_skips_initialisation(kind, ll
     out = subprocess.run([sys.executable, "-c", META_CHECK.format(kwargs=kwargs, own=kind == "gpt")],
                          capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("returned", ["scalar", "triple", "vector"])
+def test_a_loss_that_returns_otherwise_is_refused_naming_it(returned):
+    """A user's loss must return (loss_sum, num_targets): one that returns a bare scalar, three
+    values or a per-row vector is refused by a ConfigError naming it (fatal on a worker: the run
+    ends with this reason instead of restarting into it), not a TypeError from the step."""
+    from elastic_train.config import ConfigError
+    from elastic_train.training.losses import LossModule
+
+    def my_loss(model, batch):
+        per_row = model(batch["tokens"]).float().sum(dim=(1, 2))
+        return {"scalar": per_row.sum(), "triple": (per_row.sum(), 3, 0),
+                "vector": (per_row, 3)}[returned]
+
+    model = torch.nn.Embedding(10, 4)
+    batch = make_batch(torch.tensor([[1, 2, 3]]), torch.tensor([3]))
+    with pytest.raises(ConfigError, match=r"loss_fn .*my_loss returned .*: it must return "
+                                          r"\(loss_sum, num_targets\)"):
+        LossModule(model, my_loss)(batch)
+    loss, count = LossModule(model, lambda m, b: (m(b["tokens"]).sum(), 3))(batch)
+    assert loss.ndim == 0 and count == 3

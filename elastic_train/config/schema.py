@@ -181,6 +181,10 @@ class TrainConfig:
     # fsdp: free a block's gathered weights after its forward and gather them again in backward
     # (less memory, one more all-gather per block); false keeps them until backward
     reshard_after_forward: bool = True
+    # set by the Python API's train(cfg, loss_fn=...): the loss's module.qualname. A config naming
+    # one trains only with that loss_fn passed again (the command line refuses it), and a resume
+    # of such a run without it is refused: it would go on with the default loss
+    loss_fn: str | None = None
 
 
 @dataclass

@@ -26,6 +26,7 @@ from elastic_train.data.blocks import check_blocks
 from elastic_train.data.dataset import (
     STATS_FILE,
     DatasetInfo,
+    check_extra_columns,
     dataset_blocks,
     extra_columns,
     inspect_dataset,
@@ -51,6 +52,7 @@ from elastic_train.preflight.vocab import (
     vocabulary_hash,
 )
 from elastic_train.training.checkpoint import model_signature
+from elastic_train.training.losses import LossFn
 from elastic_train.training.memory import (
     RAY_MEMORY_THRESHOLD,
     GiB,
@@ -87,6 +89,7 @@ def _checked_dataset(cfg: Config, path: str, key: str) -> DatasetInfo:
     try:
         info = inspect_dataset(path)
         check_sample_ids(info)
+        check_extra_columns(info)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{key}: {exc}") from None
     limit = cfg.data.max_seq_len
@@ -272,12 +275,14 @@ def fill_from_dataset(cfg: Config, info: DatasetInfo, eval_info: DatasetInfo | N
         cfg.model.vocab_size = max(info.vocab_size or BYTE_VOCAB, largest + 1)
 
 
-def check_inputs(cfg: Config, model_fn: ModelFn | None = None) -> DatasetInfo:
+def check_inputs(cfg: Config, model_fn: ModelFn | None = None,
+                 loss_fn: LossFn | None = None) -> DatasetInfo:
     """Every check that needs no cluster: the dataset, the model (built once on the meta device:
-    shapes only), their fit, storage, the checkpoint to resume. Fills in what the config leaves
-    to the data set (`fill_from_dataset`), so the resolved config says it."""
+    shapes only; a user's factory that refuses it, on the CPU), their fit, storage, the checkpoint
+    to resume. Fills in what the config leaves to the data set (`fill_from_dataset`), so the
+    resolved config says it."""
     validate(cfg)  # again: a Config built in Python has not been through load_config
-    resolve_config(cfg, model_fn)
+    resolve_config(cfg, model_fn, loss_fn)
     check_gpu(cfg)
     info = resolve_dataset(cfg)
     keep_batch_sizes(cfg)  # a resume's, where they are left to the data
@@ -365,7 +370,9 @@ def check_model_memory(cfg: Config, model: torch.nn.Module, saved: dict[str, Any
 
 
 def meta_model(cfg: Config, model_fn: ModelFn | None = None) -> torch.nn.Module:
-    """The model on the meta device (no memory), or a ConfigError naming what failed."""
+    """The model on the meta device (no memory), or a ConfigError naming what failed. A user's
+    factory that refuses the meta device is built once on the CPU instead
+    (`build_meta_model`): only what fails there too is refused."""
     try:
         return build_meta_model(cfg.model, cfg.data.max_seq_len, model_fn)
     except ValueError as exc:
@@ -375,7 +382,7 @@ def meta_model(cfg: Config, model_fn: ModelFn | None = None) -> torch.nn.Module:
 def check_model_fits_data(cfg: Config, info: DatasetInfo, model: torch.nn.Module) -> None:
     """The model embeds every token id of the data, the pad id, and positions up to
     data.max_seq_len (where the model says how many it has)."""
-    rows = input_embedding_rows(model)
+    rows = input_embedding_rows(model, cfg.model.vocab_size or BYTE_VOCAB)  # what the factory got
     largest = max(info.max_token_id or 0, cfg.data.pad_id or 0)
     if rows is not None and largest >= rows and cfg.model.name == "hf":
         raise ConfigError(

@@ -1,22 +1,26 @@
 """What the driver settles in the config before it checks anything, so that the workers and the
 resolved config.yaml see the same thing the checks saw: absolute paths, the name of the Python
-API's inline model, the embedded GPT's `model.kwargs` as the fields they set."""
+API's inline model and loss, the embedded GPT's `model.kwargs` as the fields they set."""
 
 from __future__ import annotations
 
 import os
 
 from elastic_train.config import Config, ConfigError, gpt_config
+from elastic_train.training.losses import LossFn
 from elastic_train.training.model import ModelFn
 
 PATH_KEYS = (("data", "path"), ("eval", "path"), ("model", "path"), ("run", "storage_path"),
              ("train", "compile_cache_dir"))
 
 
-def resolve_config(cfg: Config, model_fn: ModelFn | None = None) -> None:
-    """`resolve_paths`, `record_model_fn`, and a GPT's kwargs folded into its fields."""
+def resolve_config(cfg: Config, model_fn: ModelFn | None = None,
+                   loss_fn: LossFn | None = None) -> None:
+    """`resolve_paths`, `record_model_fn`, `record_loss_fn`, and a GPT's kwargs folded into its
+    fields."""
     resolve_paths(cfg)
     record_model_fn(cfg, model_fn)
+    record_loss_fn(cfg, loss_fn)
     if cfg.model.name == "gpt" and model_fn is None:
         cfg.model = gpt_config(cfg.model)  # model.kwargs={n_layer: 4} said as model.n_layer: 4
 
@@ -32,14 +36,35 @@ def resolve_paths(cfg: Config) -> None:
             setattr(holder, key, os.path.abspath(os.path.expanduser(value)))
 
 
+def qualified_name(fn: object) -> str:
+    """module.qualname of a function the Python API was given (what config.yaml records)."""
+    module = getattr(fn, "__module__", None) or "?"
+    return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def record_loss_fn(cfg: Config, loss_fn: LossFn | None) -> None:
+    """`train.loss_fn` names the Python API's loss_fn, as `record_model_fn` the model: a config
+    that names one cannot train without it (the command line, or the API without loss_fn, would
+    quietly train with next-token cross entropy, and compare its eval losses with the run's)."""
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise ConfigError(f"loss_fn: {loss_fn!r} is not callable: pass a function "
+                              "loss_fn(model, batch) -> (loss_sum, num_targets)")
+        cfg.train.loss_fn = qualified_name(loss_fn)
+    elif cfg.train.loss_fn:
+        raise ConfigError(f"train.loss_fn: this config is that of a run with a loss of its own "
+                          f"({cfg.train.loss_fn}), which only the Python API can give: "
+                          f"train(cfg, loss_fn={cfg.train.loss_fn.rsplit('.', 1)[-1]}); or set "
+                          "train.loss_fn=null to train with the default loss")
+
+
 def record_model_fn(cfg: Config, model_fn: ModelFn | None) -> None:
     """`model.inline_fn` names the Python API's model_fn (module.qualname), so the run folder says
     which model it trained (model.name alone would say gpt, and export would build a GPT); a
     config that names one cannot run without it (the command line, or the API without model_fn,
     would quietly train model.name instead)."""
     if model_fn is not None:
-        module = getattr(model_fn, "__module__", None) or "?"
-        cfg.model.inline_fn = f"{module}.{getattr(model_fn, '__qualname__', repr(model_fn))}"
+        cfg.model.inline_fn = qualified_name(model_fn)
     elif cfg.model.inline_fn:
         raise ConfigError(f"model.inline_fn: this config is that of a run of an inline model "
                           f"({cfg.model.inline_fn}), which only the Python API can build: "

@@ -49,6 +49,14 @@ def check_resumable(cfg: Config, ours: dict[str, list[int]],
             f"optim.name: run {cfg.run.name}'s latest checkpoint {name} holds the state of "
             f"{saved_optimizer} (its moments), which {cfg.optim.name} cannot take: resume with "
             f"optim.name={saved_optimizer}, or start another run.name")
+    train = state["config"].get("train")
+    saved_loss = train.get("loss_fn") if isinstance(train, dict) else None
+    if saved_loss and not cfg.train.loss_fn:
+        raise ConfigError(
+            f"train.loss_fn: run {cfg.run.name}'s latest checkpoint {name} was trained with a "
+            f"loss of its own ({saved_loss}), and this resume would go on with the default loss: "
+            f"pass it again, train(cfg, loss_fn={saved_loss.rsplit('.', 1)[-1]}), or start "
+            "another run.name")
     if info is not None:
         _check_same_data(cfg, info, state, fs, folder, name)
     _check_same_base(cfg, fs, f"{folder}/{name}", name)

@@ -140,4 +140,26 @@ class LossModule(nn.Module):
         self.loss_fn = loss_fn or causal_lm_loss
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
-        return self.loss_fn(self.model, batch)
+        result = self.loss_fn(self.model, batch)
+        if self.loss_fn is not causal_lm_loss:
+            check_loss_result(result, self.loss_fn)
+        return result
+
+
+def check_loss_result(result: Any, loss_fn: LossFn) -> None:
+    """ConfigError naming `loss_fn` unless it returned (loss_sum, num_targets): a 0-dim tensor
+    and a count. A loss that returns otherwise does so at every step, so the run ends with this
+    reason instead of restarting into it (ConfigError is fatal on a worker)."""
+    from elastic_train.config import ConfigError
+
+    loss, count = (result if isinstance(result, tuple | list) and len(result) == 2
+                   else (None, None))
+    if (isinstance(loss, torch.Tensor) and loss.ndim == 0
+            and (isinstance(count, int | float) or isinstance(count, torch.Tensor)
+                 and count.numel() == 1)):
+        return
+    got = (f"a tensor of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor)
+           else f"{type(result).__name__} {result!r}"[:200])
+    name = getattr(loss_fn, "__qualname__", repr(loss_fn))
+    raise ConfigError(f"loss_fn {name} returned {got}: it must return (loss_sum, num_targets), "
+                      "a 0-dim tensor summed over the targets it counted and their number")
