@@ -48,6 +48,7 @@ from elastic_train.training.model import (
     build_meta_model,
     build_model,
     can_materialize,
+    is_meta_model,
 )
 from elastic_train.training.optim import build_optimizer, set_hyperparameters
 from elastic_train.training.reduce import ExactGradSum
@@ -62,7 +63,8 @@ from elastic_train.training.step import StepSetup, TrainState
 def check_fits_rank(meta: torch.nn.Module, cfg: Config, env: WorkerEnv, grad_reduce: str) -> None:
     """Before any parameter is materialized: what this rank needs of the model built on the meta
     device against the GPU's memory, or on CPU the node's memory over the ranks sharing it
-    (memory.py); ModelTooLargeError, one line, otherwise."""
+    (memory.py); ModelTooLargeError, one line, otherwise. (A user's factory that refuses the
+    meta device is built on the CPU before it: `build_meta_model`.)"""
     if env.device.type == "cuda":
         available, where = device_bytes(env.device), "the GPU's memory"
     else:
@@ -105,7 +107,9 @@ def build_training(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     check_fits_rank(meta, cfg, env, choice.chosen)  # before a byte of the model is allocated
     if cfg.train.sharding == "fsdp" and env.device.type == "cpu":
         return_large_frees_to_os()  # the step's block-sized buffers go back to the OS (memory.py)
-    if cfg.train.sharding == "fsdp" and can_materialize(meta):
+    if not is_meta_model(meta):
+        raw_model = meta  # a user's factory that refused meta, built for real: not built twice
+    elif cfg.train.sharding == "fsdp" and can_materialize(meta):
         raw_model = meta  # sharded on meta, then each rank creates its own rows (sharding.py)
     else:
         raw_model = build_model(cfg.model, cfg.data.max_seq_len, model_fn)

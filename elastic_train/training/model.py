@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from elastic_train.config import GPT_KWARGS, ModelConfig, gpt_config
 
 BYTE_VOCAB = 256  # the vocabulary of byte-tokenized data (prepare without --tokenizer)
 ModelFn = Callable[..., nn.Module]
-
+logger = logging.getLogger("elastic_train")
 
 
 class CausalSelfAttention(nn.Module):
@@ -229,14 +230,19 @@ def import_factory(path: str) -> ModelFn:
     return factory
 
 
+class FactoryError(ValueError):
+    """A user's factory (model_fn, or model.name's import path) raised while building."""
+
+
 def call_factory(factory: ModelFn, model_cfg: ModelConfig, max_seq_len: int, shown: str) -> nn.Module:
-    """`factory(vocab_size=, max_seq_len=, **kwargs)`, checked to return an nn.Module."""
+    """`factory(vocab_size=, max_seq_len=, **kwargs)`, checked to return an nn.Module;
+    FactoryError naming the factory and what it raised."""
     kwargs = {"vocab_size": model_cfg.vocab_size or BYTE_VOCAB, "max_seq_len": max_seq_len,
               **model_cfg.kwargs}
     try:
         model = factory(**kwargs)
     except Exception as exc:  # noqa: BLE001 - reported with the factory's name
-        raise ValueError(f"model: {shown}({', '.join(kwargs)}) raised {type(exc).__name__}: {exc}") from exc
+        raise FactoryError(f"model: {shown}({', '.join(kwargs)}) raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: {shown} returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -300,11 +306,32 @@ class _SkipValueWritesOnMeta(TorchFunctionMode):
 def build_meta_model(model_cfg: ModelConfig, max_seq_len: int,
                      model_fn: ModelFn | None = None) -> nn.Module:
     """`build_model` on the meta device: parameters with their shapes and no memory, for the
-    driver's checks. Initialisation is skipped: it would write no values, and some of its kernels
-    on meta tensors run through torch._refs, whose first use imports torch._dynamo (1.2 s of the
-    command's start-up)."""
-    with torch.device("meta"), _SkipValueWritesOnMeta():
-        return build_model(model_cfg, max_seq_len, model_fn)
+    driver's checks and the worker's fit check. Initialisation is skipped: it would write no
+    values, and some of its kernels on meta tensors run through torch._refs, whose first use
+    imports torch._dynamo (1.2 s of the command's start-up).
+
+    A user's factory (model_fn, or model.name's import path) that raises on the meta device, as
+    `from_pretrained` does inside it or `.item()` on a meta tensor, is built once for real on the
+    CPU instead, from the same RNG state: that model, with memory and values, is what the checks
+    read and what the worker trains (`build_training` does not build it again). Only what the
+    real build raises too is the factory's fault (FactoryError). The embedded GPT and `hf` are
+    ours and always build on meta: no rank holds them whole before the fit check (issue 37)."""
+    rng = torch.get_rng_state()
+    try:
+        with torch.device("meta"), _SkipValueWritesOnMeta():
+            return build_model(model_cfg, max_seq_len, model_fn)
+    except FactoryError as exc:
+        on_meta = exc
+    torch.set_rng_state(rng)  # the weights a build that never tried meta would draw
+    model = build_model(model_cfg, max_seq_len, model_fn)
+    logger.info("%s; on the meta device only: built on the CPU for the checks instead", on_meta)
+    return model
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    """Whether `build_meta_model` gave shapes without memory (False: a user's factory that
+    refused the meta device, built for real)."""
+    return any(p.is_meta for p in model.parameters())
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -323,13 +350,23 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         enable()
 
 
-def input_embedding_rows(model: nn.Module) -> int | None:
-    """How many token ids the model embeds: its input embedding's rows (None if it has none)."""
+def input_embedding_rows(model: nn.Module, vocab_size: int | None = None) -> int | None:
+    """How many token ids the model embeds: its input embedding's rows (None if it has none).
+
+    The input embedding is what `get_input_embeddings()` returns when the model has it (a
+    transformers model, or a user's that says so); else, of its `nn.Embedding`s, one of
+    `vocab_size` rows (what the factory was given) when there is one, else the largest. Not the
+    first declared: a position table declared before the token table would be taken for it.
+    The largest errs towards accepting: a token table smaller than the position table, in a
+    model that ignores vocab_size, goes unseen here and fails at its first out-of-range id."""
     get = getattr(model, "get_input_embeddings", None)
     embedding = get() if callable(get) else None
-    if not isinstance(embedding, nn.Embedding):
-        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    return None if embedding is None else embedding.num_embeddings
+    if isinstance(embedding, nn.Embedding):
+        return embedding.num_embeddings
+    rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not rows:
+        return None
+    return vocab_size if vocab_size in rows else max(rows)
 
 
 def token_loss_sum(
