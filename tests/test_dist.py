@@ -5,16 +5,22 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
 import torch
+import torch.nn.functional as F
 from ranks import run_ranks
 
 from elastic_train.config import ModelConfig
-from elastic_train.data.batches import pad_rows
+from elastic_train.data.batches import IGNORE_INDEX, pad_rows, stack_rows
+from elastic_train.data.blocks import BlockReader
+from elastic_train.data.rowgroups import build_block_table
 from elastic_train.training.losses import LossModule
 from elastic_train.training.model import build_model, token_loss_sum
 from elastic_train.training.reduce import ExactGradSum
-from elastic_train.training.step import StepSetup, forward_backward, train_step
+from elastic_train.training.step import StepSetup, dry_rank_batch, forward_backward, train_step
 
 pytestmark = pytest.mark.dist
 
@@ -163,3 +169,117 @@ def test_a_user_loss_on_an_extra_column_matches_one_process_with_a_dry_rank(tmp_
         for name, g in ref.items():
             rel = (grads[name] - g).norm() / g.norm().clamp_min(1e-12)
             assert rel < 1e-5, (rank, name, float(rel))
+
+
+def label_per_row_loss(model, batch):
+    """A user's loss with one target per row, whatever the row's length: its `label` predicted
+    at its first token (a row of one token has no next-token target)."""
+    logits = model(batch["tokens"])[:, 0].float()
+    return F.cross_entropy(logits, batch["label"], reduction="sum"), batch["label"].numel()
+
+
+def one_token_batch(num_partitions: int):
+    """Rows of one token each, a label per row: the data holds no next-token target."""
+    rng = np.random.default_rng(2)
+    mbs = []
+    for p in range(num_partitions):
+        n = int(rng.integers(1, 4))
+        mb = pad_rows([(p * 100 + i, rng.integers(0, 256, 1)) for i in range(n)], p)
+        mb.extras["label"] = rng.integers(0, 256, n)
+        mbs.append(mb)
+    return mbs
+
+
+def label_step(micro_batches, world_size: int):
+    """One `train_step` (exact reduction, no clipping, SGD) with `label_per_row_loss` on this
+    process's share: (gradients, weights after)."""
+    torch.manual_seed(0)
+    model = build_model(MODEL, 64)
+    ExactGradSum.broadcast_parameters(model)
+    cpu = torch.device("cpu")
+    setup = StepSetup(device=cpu, world_size=world_size, grad_clip=0.0,
+                      exact=ExactGradSum(model, cpu), count_targets=True, extra_columns=("label",))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(LossModule(model, label_per_row_loss), model, optimizer, micro_batches, setup=setup,
+               data_targets=0.0, step=0, lr=0.1)
+    return ({n: p.grad.clone() for n, p in model.named_parameters()},
+            {n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def _label_step_worker(rank: int, world_size: int, out: str) -> None:
+    mine = [mb for mb in one_token_batch(4) if mb.partition % world_size == rank]
+    torch.save(label_step(mine, world_size), f"{out}.{rank}")
+
+
+def test_a_loss_counting_its_own_targets_trains_rows_without_next_token_targets(tmp_path):
+    """Rows of one token (no next-token target in the data), a loss with a label per row: the
+    step's gradient is d(loss sum / the loss's count), not 0, and the same to the bit on 2 ranks
+    as on one."""
+    mbs = one_token_batch(4)
+    assert sum(mb.targets for mb in mbs) == 0
+    out = str(tmp_path / "step")
+    run_ranks(_label_step_worker, 2, tmp_path, out, start_method="forkserver")
+    torch.set_num_threads(1)
+    grads, weights = label_step(mbs, 1)
+    model = build()
+    total, count = 0, 0
+    for mb in mbs:
+        loss, n = label_per_row_loss(model, mb.to_batch(torch.device("cpu")))
+        total, count = total + loss, count + n
+    (total / count).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+    assert any(not torch.equal(weights[name], p) for name, p in model.named_parameters())
+    for rank in range(2):
+        rank_grads, rank_weights = torch.load(f"{out}.{rank}")
+        for name in grads:
+            assert torch.equal(rank_grads[name], grads[name]), (rank, name)
+            assert torch.equal(rank_weights[name], weights[name]), (rank, name)
+
+
+def weighted_loss(model, batch):
+    """A user's loss over a float list column (per-token weights) and a float scalar column."""
+    logits = model(batch["tokens"])[:, :-1].float()
+    per_token = F.cross_entropy(logits.transpose(1, 2), batch["labels"][:, 1:],
+                                ignore_index=IGNORE_INDEX, reduction="none")
+    weights = batch["weights"][:, 1:] * batch["scale"][:, None]
+    return (per_token * weights).sum(), int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def test_a_dry_batch_has_the_extra_columns_of_the_data_sets_kinds(tmp_path):
+    """A rank with no micro-batch to copy (an fsdp evaluation, a resume with its data used up)
+    gives a user's loss extra columns shaped and typed as the data set's: a list column (1, 2)
+    like the dry tokens, a scalar (1,), each in its Parquet dtype."""
+    path = str(tmp_path / "part-0.parquet")
+    pq.write_table(pa.table({
+        "id": pa.array([0, 1], pa.int64()), "tokens": pa.array([[1, 2, 3], [4, 5]]),
+        "length": pa.array([3, 2], pa.int32()),
+        "weights": pa.array([[0.5, 1.0, 1.0], [1.0, 0.5]], pa.list_(pa.float32())),
+        "scale": pa.array([2.0, 0.5], pa.float64())}), path)
+    columns = ("weights", "scale")
+    reader = BlockReader(build_block_table(pafs.LocalFileSystem(), [path], [path]), columns)
+    dry = dry_rank_batch(None, 0, columns, reader.extra_kinds())
+    assert (dry.extras["weights"].shape, dry.extras["weights"].dtype) == ((1, 2), np.float32)
+    assert (dry.extras["scale"].shape, dry.extras["scale"].dtype) == ((1,), np.float64)
+    real = stack_rows(reader.read(np.array([0])), np.arange(2), 0)
+    for name in columns:
+        assert (real.extras[name].ndim, real.extras[name].dtype) == (dry.extras[name].ndim,
+                                                                     dry.extras[name].dtype)
+    loss_module = LossModule(build(), weighted_loss)
+    loss_sum, _ = loss_module(dry.to_batch(torch.device("cpu")))
+    (loss_sum * 0.0).backward()  # as the dry rank's step does
+    assert loss_module(real.to_batch(torch.device("cpu")))[1] == real.targets
+
+
+def test_columns_rounded_up_to_the_pad_multiple_hold_the_pad_id():
+    """data.pad_multiple: the columns added on the device are padding, tokens == pad_id (as the
+    micro-batch's own padding), labels IGNORE_INDEX, attention_mask 0."""
+    for pad_id in (0, 3):
+        mb = pad_rows([(0, np.array([5, 6, 7])), (1, np.array([8, 9]))], 0, pad_id=pad_id)
+        setup = StepSetup(device=torch.device("cpu"), world_size=1, pad_id=pad_id, pad_multiple=8)
+        batch = setup.batch(mb)
+        assert batch["tokens"].tolist() == [[5, 6, 7] + [pad_id] * 5, [8, 9] + [pad_id] * 6]
+        assert batch["labels"].tolist() == [[5, 6, 7] + [IGNORE_INDEX] * 5,
+                                            [8, 9] + [IGNORE_INDEX] * 6]
+        assert batch["attention_mask"].tolist() == [[1] * 3 + [0] * 5, [1] * 2 + [0] * 6]
+        assert mb.to_batch(torch.device("cpu"), 8, pad_id=pad_id)["tokens"].equal(batch["tokens"])

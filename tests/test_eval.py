@@ -139,6 +139,27 @@ def test_eval_loss_is_bitwise_the_same_on_1_2_and_3_processes(held_out_dataset, 
             assert torch.load(f"{out}.{world_size}.{rank}") == [whole, first], (world_size, rank)
 
 
+@pytest.mark.unit
+def test_evaluation_leaves_each_module_in_the_mode_it_found(held_out_dataset):
+    """A model whose part is in eval mode (a frozen encoder's dropout, set so by its factory)
+    trains that way before an evaluation and after it: evaluation puts back each module's own
+    mode, not train() on all (which turned the frozen dropout on after the first evaluation, and
+    a resume, rebuilding the model as its factory returns it, trained otherwise)."""
+    torch.manual_seed(0)
+    module = LossModule(build_model(MODEL, 128))
+    frozen = [m for m in module.modules() if isinstance(m, torch.nn.Dropout)][:2]
+    for m in frozen:
+        m.eval()
+    before = [m.training for m in module.modules()]
+    assert False in before and True in before
+    cfg = load_config(None, [*EVAL, f"data.path={held_out_dataset}"])
+    held = data_tables(cfg, inspect_dataset(held_out_dataset)).eval
+    spec = StreamSpec(4, batch_tokens(cfg)[0], cfg.data.shuffle_window, 0)
+    evaluate(module, BlockReader(held), spec, [0], setup=StepSetup(device=torch.device("cpu"),
+                                                                   world_size=1), max_batches=1)
+    assert [m.training for m in module.modules()] == before
+
+
 # -- summary, ledger, report --------------------------------------------------------------------
 def _eval_record(step: int, attempt: int, loss: float, time: float, eval_s: float = 1.0) -> dict:
     return {"step": step, "epoch": 0, "attempt": attempt, "time": time, "eval_loss": loss,

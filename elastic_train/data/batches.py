@@ -21,6 +21,8 @@ import pyarrow.parquet as pq
 import torch
 
 ROW_BATCH_SIZE = 1024  # rows per batch read from the source; any value gives the same steps
+# An extra column's kind: (numpy dtype of its values, whether it holds a list per row)
+ColumnKind = tuple[np.dtype, bool]
 
 
 @dataclass
@@ -52,21 +54,23 @@ class MicroBatch:
         return int(np.maximum(self.lengths - 1, 0).sum())
 
     def to_batch(self, device: torch.device, pad_multiple: int = 1,
-                 max_width: int | None = None) -> dict[str, torch.Tensor]:
+                 max_width: int | None = None, pad_id: int = 0) -> dict[str, torch.Tensor]:
         """The tensors a model and loss see (see `losses.py`): tokens, attention_mask,
         position_ids, labels (IGNORE_INDEX on padding), lengths, and the extra columns.
 
         `pad_multiple` > 1 pads the columns up to a multiple of it (never past `max_width`), so
         that a GPU sees few distinct shapes: its allocator and compiled graphs reuse them. The
-        extra columns are padding (beyond every row's length): no real token sees them. The
-        figures (`real_tokens`, `padded_tokens`) stay those of the micro-batch itself."""
+        extra columns are padding (beyond every row's length): tokens `pad_id` (the micro-batch's
+        own padding, so a loss that finds padding by `tokens == pad_id` finds these too), list
+        columns 0, as `pad_rows` pads; no real token sees them. The figures (`real_tokens`,
+        `padded_tokens`) stay those of the micro-batch itself."""
         tokens, extras = self.tokens, self.extras
         width = tokens.shape[1]
         wanted = -(-width // pad_multiple) * pad_multiple
         if max_width is not None:
             wanted = max(width, min(wanted, max_width))
         if wanted > width:
-            tokens = np.pad(tokens, ((0, 0), (0, wanted - width)), mode="edge")
+            tokens = np.pad(tokens, ((0, 0), (0, wanted - width)), constant_values=pad_id)
             extras = {name: np.pad(v, ((0, 0), (0, wanted - width))) if v.ndim == 2
                       and v.shape[1] == width else v for name, v in extras.items()}
         batch = make_batch(_to_device(tokens, device), _to_device(self.lengths, device))

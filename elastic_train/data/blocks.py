@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from elastic_train.data.batches import MicroBatch, arrow_to_columns, stack_rows
+from elastic_train.data.batches import ColumnKind, MicroBatch, arrow_to_columns, stack_rows
 from elastic_train.data.plan import StreamSpec, assign_blocks, bucket_window, window_rng, window_spans
 from elastic_train.data.rowgroups import (
     BlockTable,
@@ -76,6 +76,7 @@ class BlockReader:
         self.extra_columns = extra_columns
         self.counter = ReadCounter()
         self._open: dict[int, pq.ParquetFile] = {}
+        self._kinds: dict[str, ColumnKind] | None = None
 
     def plan(self, windows: list[np.ndarray]) -> None:
         """The windows (block arrays) this epoch will ask for, in about that order: a reader
@@ -97,6 +98,23 @@ class BlockReader:
             check_block_rows(rows, self.table, int(b), self.vocab_rows)
         self.counter.rows += sum(t.num_rows for t in tables)
         return arrow_to_columns(pa.concat_tables(tables), self.extra_columns)
+
+    def extra_kinds(self) -> dict[str, ColumnKind]:
+        """Each extra column's kind, (dtype, a list per row), as `arrow_to_columns` gives it:
+        for a dry micro-batch (`step.dry_rank_batch`) shaped as a real one, where a rank has
+        none to copy. From the schema of block 0's file (its footer, read once; the driver's
+        `dataset.extra_columns` reads the first shard's schema too)."""
+        if self._kinds is None:
+            self._kinds = {}
+            if self.extra_columns:
+                read_row_group(self.table, 0, [], self._open)  # opens the file: reads no column
+                schema = self._open[int(self.table.file_index[0])].schema_arrow
+            for name in self.extra_columns:
+                kind = schema.field(name).type
+                per_row_list = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+                values = kind.value_type if per_row_list else kind
+                self._kinds[name] = (np.dtype(values.to_pandas_dtype()), per_row_list)
+        return self._kinds
 
     def close(self) -> None:
         """Stop reading ahead (nothing to stop here)."""

@@ -56,6 +56,7 @@ from elastic_train.training.evaluate import run_eval
 from elastic_train.training.loop import _log_reads, check_restored_position, stream_spec
 from elastic_train.training.losses import LossFn
 from elastic_train.training.model import (
+    BYTE_VOCAB,
     ModelFn,
     count_parameters,
     input_embedding_rows,
@@ -251,7 +252,7 @@ def start_replica(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None,
     start_manager(cfg, env, replica)
     attempt = env.begin_attempt()
     reader = make_reader("pyarrow", env.block_table, env.extra_columns,
-                         input_embedding_rows(t.raw_model))
+                         input_embedding_rows(t.raw_model, cfg.model.vocab_size or BYTE_VOCAB))
     pool = PartitionPool(reader, stream_spec(cfg), cfg.data.pad_id or 0)
     flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len,
                                             count_parameters(t.raw_model))

@@ -27,6 +27,7 @@ from elastic_train.training.collectives import all_reduce_sum
 from elastic_train.training.env import WorkerEnv
 from elastic_train.training.losses import LossModule
 from elastic_train.training.model import (
+    BYTE_VOCAB,
     input_embedding_rows,
 )
 from elastic_train.training.sharding import sharded_snapshot
@@ -57,6 +58,7 @@ def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, par
     total = torch.zeros((), dtype=torch.float64, device=setup.device)
     targets, count = 0.0, 0
     steps = iter_rank_steps(reader, spec, partitions=partitions, epoch=0, pad_id=setup.pad_id)
+    modes = {module: module.training for module in loss_module.modules()}
     loss_module.eval()  # no dropout
     try:
         with torch.no_grad():
@@ -69,8 +71,8 @@ def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, par
                     break
                 for _ in range(rounds - len(micro_batches)):
                     with autocast_context(setup.precision, setup.device):
-                        loss_module(dry_rank_batch(None, setup.pad_id, setup.extra_columns)
-                                    .to_batch(setup.device))
+                        loss_module(dry_rank_batch(None, setup.pad_id, setup.extra_columns,
+                                                   reader.extra_kinds()).to_batch(setup.device))
                 for mb in micro_batches:
                     with autocast_context(setup.precision, setup.device):
                         loss_sum, n_targets = loss_module(setup.batch(mb))
@@ -80,7 +82,8 @@ def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, par
                     if on_batch is not None:
                         on_batch()
     finally:
-        loss_module.train()
+        for module, training in modes.items():  # each as it was: a user's frozen part stays
+            module.training = training          # in eval mode, as a resume rebuilds it
         reader.close()
     loss_sum, targets, count = all_reduce_sum([float(total), targets, count], setup.device)
     return EvalResult(loss_sum / max(targets, 1.0), int(targets), int(count),
@@ -93,7 +96,7 @@ def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], at
     checkpoint through `best` if given (rank 0's alone, or with fsdp every rank's)."""
     state = t.state
     reader = make_reader(cfg.data.reader, env.eval_table, env.extra_columns,
-                         input_embedding_rows(t.raw_model))
+                         input_embedding_rows(t.raw_model, cfg.model.vocab_size or BYTE_VOCAB))
     spec = StreamSpec(num_partitions(cfg), batch_tokens(cfg)[0], cfg.data.shuffle_window,
                       cfg.data.seed, cfg.data.bucketing)
     result = evaluate(t.loss_module, reader, spec, partitions, setup=t.setup,

@@ -43,6 +43,7 @@ from elastic_train.training.env import WorkerEnv
 from elastic_train.training.evaluate import run_eval
 from elastic_train.training.losses import LossFn
 from elastic_train.training.model import (
+    BYTE_VOCAB,
     ModelFn,
     count_parameters,
     input_embedding_rows,
@@ -53,7 +54,7 @@ from elastic_train.training.optim import (
     optimizer_state_bytes,
 )
 from elastic_train.training.sharding import sharded_snapshot
-from elastic_train.training.step import TrainState, train_step
+from elastic_train.training.step import TrainState, dry_rank_batch, train_step
 
 
 def stream_spec(cfg: Config) -> StreamSpec:
@@ -121,9 +122,12 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                                             count_parameters(t.raw_model))
     process = psutil.Process()
     state_logged = False  # optimizer-state bytes per parameter, logged once per attempt
-    template = None  # a real micro-batch, for the dry-rank step (see dry_rank_batch)
     reader = make_reader(cfg.data.reader, env.block_table, env.extra_columns,
-                         input_embedding_rows(t.raw_model))
+                         input_embedding_rows(t.raw_model, cfg.model.vocab_size or BYTE_VOCAB))
+    # the dry-rank step's row (see dry_rank_batch): a real micro-batch's once this process has
+    # seen one; before that (a resume where this rank's data is used up) pad tokens, the extra
+    # columns zeros of their own kinds, so that a user's loss indexes them as real ones
+    template = dry_rank_batch(None, t.setup.pad_id, env.extra_columns, reader.extra_kinds())
     evaluating = env.eval_table is not None
     # the best checkpoint: rank 0 writes it, or with fsdp each rank its own rows (evaluate.py)
     writes_best = rank == 0 or t.setup.sharded is not None

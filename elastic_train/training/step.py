@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_train.data.batches import MicroBatch
+from elastic_train.data.batches import ColumnKind, MicroBatch
 from elastic_train.training.collectives import all_reduce_sum
 from elastic_train.training.optim import (
     set_lr,
@@ -80,16 +80,23 @@ def micro_batch_seed(seed: int, step: int, partition: int) -> int:
 
 
 def dry_rank_batch(template: MicroBatch | None, pad_id: int,
-                   extra_columns: tuple[str, ...] = ()) -> MicroBatch:
+                   extra_columns: tuple[str, ...] = (),
+                   kinds: dict[str, ColumnKind] | None = None) -> MicroBatch:
     """A one-row micro-batch for a rank whose partitions ran dry (its loss is multiplied by 0):
-    the first row of a real micro-batch when this process has seen one, so that a user's loss
-    finds its extra columns; else two pad tokens, with zeros in the extra columns."""
+    the first row of `template` (a real micro-batch this process has seen, or a dry one the loop
+    made from the reader's `extra_kinds`), so that a user's loss finds its extra columns as in
+    a real batch; else two pad tokens, with zeros in the extra columns: of the kind `kinds`
+    gives (a list column (1, 2) like the tokens, a scalar (1,), each in its dtype), int64
+    scalars where it gives none."""
     if template is not None:
         extras = {k: v[:1] for k, v in template.extras.items()}
         return MicroBatch(template.partition, template.ids[:1], template.tokens[:1],
                           template.lengths[:1], extras)
     tokens = np.full((1, 2), pad_id, dtype=np.int64)
-    extras = {name: np.zeros(1, np.int64) for name in extra_columns}
+    extras = {}
+    for name in extra_columns:
+        dtype, per_token = (kinds or {}).get(name, (np.dtype(np.int64), False))
+        extras[name] = np.zeros((1, 2) if per_token else 1, dtype)
     return MicroBatch(-1, np.zeros(1, np.int64), tokens, np.full(1, 2, np.int64), extras)
 
 
@@ -113,7 +120,7 @@ class StepSetup:
 
     def batch(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """`mb`'s tensors on the device, its columns rounded up as `pad_multiple` says."""
-        return mb.to_batch(self.device, self.pad_multiple, self.max_width)
+        return mb.to_batch(self.device, self.pad_multiple, self.max_width, self.pad_id)
 
 
 def forward_backward(
@@ -309,9 +316,12 @@ def train_step(
     """One optimizer step over this rank's micro-batches of global step `step`.
 
     `data_targets` is the global count of next-token targets in the data (known before the
-    forward): the gradient is scaled by it as it accumulates, then, if the loss counted its own
-    targets (`setup.count_targets`), corrected by data_targets / the loss's global count, so that
-    the result is d(total loss / total targets) for any loss written as a sum.
+    forward): the gradient is scaled by 1 / max(data_targets, 1) as it accumulates, then, if the
+    loss counted its own targets (`setup.count_targets`), corrected by max(data_targets, 1) / the
+    loss's global count, so that the result is d(total loss / total targets) for any loss written
+    as a sum, even when the data has no next-token target at all (rows of one token, a loss with
+    a label per row). The correction is one multiplication after the reduction, the same on every
+    rank and at every world size: the exact reduction stays exact.
     """
     set_lr(optimizer, lr)
     optimizer.zero_grad(set_to_none=True)
@@ -322,8 +332,9 @@ def train_step(
     targets = data_targets
     if setup.count_targets:
         (targets,) = all_reduce_sum([float(local_targets)], setup.device)
-        if targets != data_targets:
-            rescale_grads(raw_model, data_targets / max(targets, 1.0))
+        scaled_by = max(data_targets, 1.0)  # forward_backward's divisor
+        if max(targets, 1.0) != scaled_by:
+            rescale_grads(raw_model, scaled_by / max(targets, 1.0))
     if poison is not None:
         poison(raw_model)
     t1 = time.perf_counter()
