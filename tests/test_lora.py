@@ -291,3 +291,32 @@ def test_the_finetuning_pages_commands_pass_every_check_before_ray(tmp_path, mon
     data = resolved["data"]
     assert data.max_seq_len < 64 and data.micro_batch_tokens == 1 << (data.max_seq_len - 1).bit_length()
     assert 2 <= data.global_batch_tokens // data.micro_batch_tokens <= 8
+
+
+def test_lora_on_a_transformers_model_takes_the_chunked_head(llama_folder, monkeypatch):
+    """The default loss of a LoRA model on a transformers base applies the output head chunk by
+    chunk, as for the base alone (it made the whole fp32 logits: 16k tokens of a 128k vocabulary
+    are 8 GB), with the mask and positions passed; the loss and the adapters' gradients are
+    those of the whole logits."""
+    from elastic_train.data.batches import make_batch
+    from elastic_train.training import losses
+
+    torch.manual_seed(0)
+    model = build_model(lora_cfg(llama_folder).model, 64)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)  # B is 0 at init: the adapters would change nothing
+    batch = make_batch(torch.randint(0, 400, (2, 24)), torch.tensor([24, 17]))
+    chunked, chunked_loss = [], losses._chunked_hf_loss_sum
+    monkeypatch.setattr(losses, "_chunked_hf_loss_sum",
+                        lambda *a, **k: chunked.append(1) or chunked_loss(*a, **k))
+    loss, count = losses.causal_lm_loss(model, batch, chunk_tokens=16)
+    assert chunked and int(count) == 23 + 16
+    (grad,) = torch.autograd.grad(loss, [p for n, p in model.named_parameters() if "lora_A" in n][:1])
+    logits = losses.forward(model, batch)[:, :-1]
+    whole = losses._logits_loss_sum(logits, batch["labels"][:, 1:], 10**9)
+    (whole_grad,) = torch.autograd.grad(whole, [p for n, p in model.named_parameters()
+                                                if "lora_A" in n][:1])
+    torch.testing.assert_close(loss, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, whole_grad, rtol=1e-4, atol=1e-6)

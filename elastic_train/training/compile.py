@@ -46,7 +46,7 @@ from torch import nn
 
 from elastic_train.config import Config
 from elastic_train.observe.runfolder import run_uri, split_uri
-from elastic_train.training.losses import chunked_head_applies
+from elastic_train.training.losses import chunked_head_applies, hf_model_of
 
 CACHE_SUBFOLDER = "compile_cache"  # in the run folder: one mega-cache file per rank that compiled
 
@@ -57,9 +57,11 @@ def compile_model(model: nn.Module, class_names: list[str], backend: str = "indu
     were compiled; raises naming the classes the model lacks. `backend`: tests count graphs
     with "eager" (dynamo's graphs and guards are the same; nothing is code-generated)."""
     if not class_names:
-        # a Hugging Face LM with a plain head is called by the loss through `base_model`, the
-        # head applied chunk by chunk (losses.py): compiling the outer module would compile nothing
-        target = model.base_model if chunked_head_applies(model) else model
+        # a Hugging Face LM with a plain head (LoRA's base too) is called by the loss through
+        # `base_model`, the head applied chunk by chunk (losses.py): compiling the outer module
+        # would compile nothing
+        hf = hf_model_of(model)
+        target = hf.base_model if hf is not None and chunked_head_applies(hf) else model
         target.compile(dynamic=True, backend=backend)
         return 1
     chosen = [m for m in model.modules() if type(m).__name__ in class_names]

@@ -55,11 +55,28 @@ def logits_of(output: Any) -> torch.Tensor:
     return logits
 
 
+def hf_model_of(model: nn.Module) -> nn.Module | None:
+    """The transformers model that computes `model`'s logits: the model itself, or a LoRA
+    model's base with its adapters in place (`lora.LoraModel`: peft replaces the base's layers,
+    so calling the base runs them); None for any other model."""
+    if is_hf_model(model):
+        return model
+    peft = getattr(model, "peft", None)
+    if peft is not None and getattr(model, "transformers_call", False):
+        base = peft.get_base_model()
+        return base if is_hf_model(base) else None
+    return None
+
+
 def forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The model's logits for a batch: Hugging Face models get the mask and positions too."""
+    """The model's logits for a batch: Hugging Face models (LoRA on one too) get the mask and
+    positions too."""
     if is_hf_model(model):
         return logits_of(model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"],
                                position_ids=batch["position_ids"], use_cache=False))
+    if hf_model_of(model) is not None:  # lora.LoraModel: the tokens, then what peft passes on
+        return logits_of(model(batch["tokens"], attention_mask=batch["attention_mask"],
+                               position_ids=batch["position_ids"]))
     return logits_of(model(batch["tokens"]))
 
 
@@ -124,8 +141,9 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor],
         num_targets = (targets != IGNORE_INDEX).sum()
     else:
         num_targets = (batch["lengths"] - 1).clamp(min=0).sum()
-    if chunked_head_applies(model):
-        return _chunked_hf_loss_sum(model, batch, targets, chunk_tokens), num_targets
+    hf = hf_model_of(model)  # LoRA's base too: its head never makes a large vocabulary's logits
+    if hf is not None and chunked_head_applies(hf):
+        return _chunked_hf_loss_sum(hf, batch, targets, chunk_tokens), num_targets
     logits = forward(model, batch)[:, :-1]
     return _logits_loss_sum(logits, targets, chunk_tokens), num_targets
 
