@@ -436,6 +436,9 @@ def _write_adapters(trained: TrainedModel, folder: Path) -> None:
 def _write_export(trained: TrainedModel, folder: Path) -> None:
     tok = trained.tokenizer
     if trained.config.model.name == "hf":
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # "Writing model shards": export's line alone
         trained.model.save_pretrained(folder, safe_serialization=True)
         if tok.kind == "hf":
             tok.save_for_transformers(folder)
