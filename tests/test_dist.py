@@ -283,3 +283,51 @@ def test_columns_rounded_up_to_the_pad_multiple_hold_the_pad_id():
                                             [8, 9] + [IGNORE_INDEX] * 6]
         assert batch["attention_mask"].tolist() == [[1] * 3 + [0] * 5, [1] * 2 + [0] * 6]
         assert mb.to_batch(torch.device("cpu"), 8, pad_id=pad_id)["tokens"].equal(batch["tokens"])
+
+
+def sampling_loss(model, batch):
+    """A user's loss that draws from Python's and NumPy's generators (a random token weighting,
+    say): what it draws must be a function of the micro-batch, as dropout is."""
+    import random
+
+    logits = model(batch["tokens"])[:, :-1].float()
+    targets = batch["labels"][:, 1:]
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                ignore_index=IGNORE_INDEX, reduction="none")
+    weights = torch.from_numpy(np.random.rand(per_token.numel())).float() * random.random()
+    return (per_token * weights).sum(), int((targets != IGNORE_INDEX).sum())
+
+
+def sampling_grads(micro_batches, targets: float) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = build_model(MODEL, 64)
+    ExactGradSum.broadcast_parameters(model)
+    setup = StepSetup(device=torch.device("cpu"), world_size=1, seed=3,
+                      exact=ExactGradSum(model, torch.device("cpu")))
+    forward_backward(LossModule(model, sampling_loss), micro_batches, setup=setup,
+                     global_targets=targets, step=5)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _sampling_worker(rank: int, world_size: int, out: str) -> None:
+    np.random.seed(100 + rank)  # each process's generators elsewhere: the step must not care
+    mbs = global_batch(4)
+    mine = [mb for mb in mbs if mb.partition % world_size == rank]
+    torch.save(sampling_grads(mine, sum(mb.targets for mb in mbs)), f"{out}.{rank}")
+
+
+def test_a_loss_that_samples_from_python_and_numpy_is_the_same_to_the_bit_at_any_world_size(
+        tmp_path):
+    """Each micro-batch seeds torch's, Python's and NumPy's generators from (seed, step,
+    partition): a loss drawing from numpy.random gives 2 ranks one process's gradient exactly
+    (NumPy's generator was each process's own: its draws depended on the world size, and a
+    resume put rank 0's state on every rank)."""
+    out = str(tmp_path / "grads")
+    run_ranks(_sampling_worker, 2, tmp_path, out, start_method="forkserver")
+    torch.set_num_threads(1)
+    mbs = global_batch(4)
+    ref = sampling_grads(mbs, sum(mb.targets for mb in mbs))
+    for rank in range(2):
+        grads = torch.load(f"{out}.{rank}")
+        for name, g in ref.items():
+            assert torch.equal(grads[name], g), (rank, name)

@@ -8,6 +8,7 @@ other in the checkpoint. Plain torch and torch.distributed: a 2-process gloo tes
 from __future__ import annotations
 
 import math
+import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -71,6 +72,16 @@ def autocast_context(precision: str, device: torch.device):
         return nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def seed_micro_batch(seed: int) -> None:
+    """Seed every generator a model or loss may draw from in a micro-batch: torch's (dropout,
+    on every device), Python's `random` and NumPy's global one (a user's loss that samples),
+    so that what it draws is a function of the micro-batch, whatever the world size or the
+    restarts (a resume restores one rank's generators on every rank)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 def micro_batch_seed(seed: int, step: int, partition: int) -> int:
@@ -200,7 +211,7 @@ def accumulate(model: torch.nn.Module, micro_batches: list[MicroBatch], *, setup
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         if setup.seed is not None:
-            torch.manual_seed(micro_batch_seed(setup.seed, step, mb.partition))
+            seed_micro_batch(micro_batch_seed(setup.seed, step, mb.partition))
         if setup.sharded is not None:
             setup.sharded.set_sync(i == (rounds or len(micro_batches)) - 1)
         with nullcontext() if (last or not ddp) else model.no_sync():
