@@ -32,6 +32,8 @@ def user_models_on_path(monkeypatch):
     ("model.name=tiny_gru:not_a_module", "tiny_gru:not_a_module returned dict, not a torch.nn.Module"),
     ("model.name=tiny_gru:build model.vocab_size=100",
      r"embedding has 100 rows but data set .* uses token id \d+; set model.vocab_size .* to at least"),
+    ("model.name=tiny_gru:build model.kwargs.vocab_size=100",
+     "model.kwargs.vocab_size: the factory gets vocab_size from model.vocab_size"),
     ("model.name=hf", "model.path: model.name=hf needs"),
     ("model.name=gpt model.gradient_checkpointing=true model.n_head=0", "model.n_head must be >= 1"),
 ])

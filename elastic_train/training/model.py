@@ -23,7 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from elastic_train.config import GPT_KWARGS, ModelConfig, gpt_config
+from elastic_train.config import GPT_KWARGS, ConfigError, ModelConfig, gpt_config
 
 BYTE_VOCAB = 256  # the vocabulary of byte-tokenized data (prepare without --tokenizer)
 ModelFn = Callable[..., nn.Module]
@@ -236,7 +236,14 @@ class FactoryError(ValueError):
 
 def call_factory(factory: ModelFn, model_cfg: ModelConfig, max_seq_len: int, shown: str) -> nn.Module:
     """`factory(vocab_size=, max_seq_len=, **kwargs)`, checked to return an nn.Module;
-    FactoryError naming the factory and what it raised."""
+    FactoryError naming the factory and what it raised. `vocab_size` and `max_seq_len` come from
+    model.vocab_size and data.max_seq_len (the checks of the data against the model use them),
+    never from model.kwargs: ConfigError there."""
+    given = sorted({"vocab_size", "max_seq_len"} & set(model_cfg.kwargs))
+    if given:
+        key = "model.vocab_size" if given[0] == "vocab_size" else "data.max_seq_len"
+        raise ConfigError(f"model.kwargs.{given[0]}: the factory gets {given[0]} from {key}, "
+                          f"which the data is checked against: set {key} instead")
     kwargs = {"vocab_size": model_cfg.vocab_size or BYTE_VOCAB, "max_seq_len": max_seq_len,
               **model_cfg.kwargs}
     try:
