@@ -220,6 +220,7 @@ def test_padding_efficiency_on_embedded_corpus(tmp_path):
 @pytest.mark.parametrize("bad, message", [
     ("length", r"row group \d+, row \d+ \(id 7\): its length column says 99 but it has \d+ tokens"),
     ("token", r"row \d+ \(id 7\): token id 300 is outside the model's vocabulary of 256"),
+    ("mask", r"row \d+ \(id 7\): its column 'loss_mask' holds 8 values for its 7 tokens"),
 ])
 def test_a_bad_row_is_named_while_streaming(tmp_path, bad, message):
     from elastic_train.data.rowgroups import DataError
@@ -227,14 +228,18 @@ def test_a_bad_row_is_named_while_streaming(tmp_path, bad, message):
     lengths = np.array([5, 9, 3, 7] * 10)
     ids = np.arange(40) + 4
     tokens = [np.full(n, 1, dtype=np.int16) for n in lengths]
+    masks = [np.ones(n, dtype=np.int8) for n in lengths]  # a loss mask another tool wrote
     if bad == "length":
         lengths[3] = 99
-    else:
+    elif bad == "token":
         tokens[3][2] = 300
-    pq.write_table(pa.table({"id": ids, "tokens": tokens, "length": lengths.astype(np.int32)}),
+    else:
+        masks[3] = np.ones(8, dtype=np.int8)
+    pq.write_table(pa.table({"id": ids, "tokens": tokens, "length": lengths.astype(np.int32),
+                             "loss_mask": masks}),
                    tmp_path / "part-00000.parquet", row_group_size=10)
     table = table_of(tmp_path)
-    reader = BlockReader(table, vocab_rows=256)
+    reader = BlockReader(table, ("loss_mask",), vocab_rows=256)
     with pytest.raises(DataError, match=message):
         for mbs, _ in iter_rank_steps(reader, StreamSpec(2, 256, 20, seed=0), partitions=[0, 1], epoch=0):
             if not mbs:

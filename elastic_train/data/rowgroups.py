@@ -121,14 +121,18 @@ class DataError(ValueError):
 
 
 def check_block_rows(rows: pa.Table, table: BlockTable, block: int, vocab_rows: int | None) -> None:
-    """Each row's `length` equals its token count, and its token ids lie in [0, vocab_rows):
-    checked on the decoded Arrow arrays (vectorised, about a millisecond per million tokens); the
-    slow description of the first bad row runs only when there is one."""
+    """Each row's `length` equals its token count and the length of every other list column
+    (a `loss_mask`: one value per token), and its token ids lie in [0, vocab_rows): checked on
+    the decoded Arrow arrays (vectorised, about a millisecond per million tokens); the slow
+    description of the first bad row runs only when there is one."""
     import pyarrow.compute as pc
 
+    ok = True
+    for name in _list_columns(rows):
+        counts = pc.list_value_length(rows.column(name))
+        ok = ok and not pc.any(pc.not_equal(counts, pc.cast(rows.column("length"),
+                                                            counts.type))).as_py()
     tokens = rows.column("tokens")
-    counts = pc.list_value_length(tokens)
-    ok = not pc.any(pc.not_equal(counts, pc.cast(rows.column("length"), counts.type))).as_py()
     flat = pc.list_flatten(tokens)
     if ok and len(flat):
         low, high = pc.min(flat).as_py(), pc.max(flat).as_py()
@@ -137,14 +141,25 @@ def check_block_rows(rows: pa.Table, table: BlockTable, block: int, vocab_rows: 
         raise DataError(_describe_bad_row(rows, table, block, vocab_rows))
 
 
+def _list_columns(rows: pa.Table) -> list[str]:
+    """`tokens`, then the other columns holding a list per row."""
+    return ["tokens", *(f.name for f in rows.schema if f.name != "tokens"
+                        and (pa.types.is_list(f.type) or pa.types.is_large_list(f.type)))]
+
+
 def _describe_bad_row(rows: pa.Table, table: BlockTable, block: int, vocab_rows: int | None) -> str:
     tokens = rows.column("tokens").to_pylist()
+    lists = {name: rows.column(name).to_pylist() for name in _list_columns(rows)[1:]}
     for i, (ids, length, row_id) in enumerate(zip(tokens, rows.column("length").to_pylist(),
                                                   rows.column("id").to_pylist(), strict=True)):
         where = (f"data file '{table.files[int(table.file_index[block])]}', row group "
                  f"{int(table.row_group[block])}, row {i} (id {row_id})")
         if len(ids) != length:
             return f"{where}: its length column says {length} but it has {len(ids)} tokens"
+        for name, values in lists.items():
+            if values[i] is not None and len(values[i]) != length:
+                return (f"{where}: its column '{name}' holds {len(values[i])} values for its "
+                        f"{length} tokens (one per token)")
         bad = [t for t in ids if t < 0 or (vocab_rows is not None and t >= vocab_rows)]
         if bad:
             return (f"{where}: token id {bad[0]} is outside the model's vocabulary of {vocab_rows} "
