@@ -434,3 +434,28 @@ def test_the_chunked_collectives_are_gloos_own_without_its_staging_copies(tmp_pa
     assert got["grown"]["chunked_gather"] < 0.2 * got["output"], got
     assert got["table_equal"]
     assert got["grown"]["one_parameter_unit"] < 1.25 * got["table"], got
+
+
+def skip_newlines_loss(model, batch):
+    """A user's loss that counts fewer targets than the data has (newlines are not trained on):
+    the step rescales the gradient by data targets / its own count."""
+    from elastic_train.training.losses import forward
+
+    logits = forward(model, batch)[:, :-1].float()
+    labels = batch["labels"][:, 1:].masked_fill(batch["labels"][:, 1:] == 10, -100)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return loss, (labels != -100).sum()
+
+
+def test_a_loss_of_its_own_trains_alike_sharded_or_not(small_dataset):
+    """The rescale of a loss that counts its own targets is a float32 product sharded too (exact
+    fsdp's float64 gradient holds float32 values): the same weights to the bit as unsharded,
+    so a resume that turns sharding on or off changes nothing (it multiplied in float64)."""
+    finals = {}
+    for sharding in ("none", "fsdp"):
+        cfg = load_config(None, [*TINY, f"data.path={small_dataset}", "train.max_steps=4",
+                                 "train.grad_reduce=exact", f"train.sharding={sharding}"])
+        finals[sharding] = train_locally(cfg, loss_fn=skip_newlines_loss).final["model"]
+    for name, weight in finals["none"].items():
+        assert torch.equal(finals["fsdp"][name].to(weight.dtype), weight), name

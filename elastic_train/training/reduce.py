@@ -77,7 +77,16 @@ class ExactGradSum:
 
 
 def rescale_grads(model: torch.nn.Module, factor: float) -> None:
-    """Multiply every gradient by `factor` (a loss counted other targets than the data's)."""
+    """Multiply every gradient by `factor` (a loss counted other targets than the data's), in
+    its own dtype, except a float64 gradient holding float32 values (exact fsdp: its shard of
+    this rank, a DTensor's local part), multiplied as float32 and stored back, so that the
+    products are those of the unsharded model's float32 gradients to the bit."""
     for p in model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(factor)
+        grad = p.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if local.dtype == torch.float64 and hasattr(grad, "to_local"):
+            local.copy_(local.to(torch.float32).mul_(factor))
+        else:
+            local.mul_(factor)
