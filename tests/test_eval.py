@@ -160,6 +160,47 @@ def test_evaluation_leaves_each_module_in_the_mode_it_found(held_out_dataset):
     assert [m.training for m in module.modules()] == before
 
 
+@pytest.mark.unit
+def test_the_last_checkpoint_holds_the_final_evaluation_when_a_periodic_one_falls_on_it(
+        held_out_dataset, tmp_path):
+    """checkpoint.every_steps dividing train.max_steps: the periodic save of the last step is
+    left to the final save, which comes after the final evaluation (the final save of that step
+    was skipped, so the run's last checkpoint said its last evaluation was at step 15, not 16,
+    and a run trained on from it compared its evaluations with a stale best)."""
+    cfg = load_config(None, [*EVAL, f"data.path={held_out_dataset}", "eval.every_steps=5",
+                             "train.max_steps=16", "checkpoint.every_steps=8",
+                             "eval.max_batches=1"])
+    env = train_locally(cfg, folder=str(tmp_path))
+    assert [e["step"] for e in env.evals] == [5, 10, 15, 16]
+    saved = env.final["state"]["train_state"]
+    best = min(env.evals, key=lambda e: e["eval_loss"])
+    assert saved["step"] == saved["eval_step"] == 16
+    assert (saved["best_step"], saved["best_eval_loss"]) == (best["step"], best["eval_loss"])
+
+
+@pytest.mark.unit
+def test_a_resumed_state_takes_the_best_evaluated_after_its_checkpoint(tmp_path):
+    """The pointer names a best evaluated after the checkpoint was written, at a step no later
+    than the checkpoint's: the resumed state takes it; one of a later step (a rollback will
+    evaluate it again) or a worse loss it leaves alone."""
+    from elastic_train.training.checkpoint import BestCheckpointWriter
+    from elastic_train.training.step import TrainState
+
+    fs = pafs.LocalFileSystem()
+    writer = BestCheckpointWriter(fs, str(tmp_path))
+
+    def resumed(pointer: dict) -> tuple:
+        (tmp_path / BEST_POINTER).write_text(json.dumps({"checkpoint": "b", **pointer}))
+        state = TrainState(step=16, eval_step=15, best_eval_loss=4.19, best_step=15)
+        writer.adopt(state)
+        return state.best_eval_loss, state.best_step
+
+    assert resumed({"step": 16, "eval_loss": 4.18}) == (4.18, 16)
+    assert resumed({"step": 20, "eval_loss": 4.0}) == (4.19, 15)  # after the checkpoint's step
+    assert resumed({"step": 16, "eval_loss": 4.5}) == (4.19, 15)  # not better
+    assert resumed({"step": 15, "eval_loss": 4.0}) == (4.19, 15)  # the state's own evaluation
+
+
 # -- summary, ledger, report --------------------------------------------------------------------
 def _eval_record(step: int, attempt: int, loss: float, time: float, eval_s: float = 1.0) -> dict:
     return {"step": step, "epoch": 0, "attempt": attempt, "time": time, "eval_loss": loss,

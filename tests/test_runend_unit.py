@@ -431,3 +431,29 @@ def test_a_remote_runs_stopped_summary_is_written_to_its_staging_copy_and_upload
     assert exiting.stdout == "uploading\n"
     assert exiting.stderr.strip() == ("stopped by SIGTERM; the local Ray cluster went down with "
                                       "the driver: summary.json written and uploaded")
+
+
+def test_a_run_that_ended_its_epochs_on_a_periodic_checkpoint_is_finished(tmp_path):
+    """train.epochs ended the run right after a periodic checkpoint of the epoch's last step:
+    that checkpoint says epoch 1 (the loop found the epoch over only after it), and summary.json
+    says the run ended by train.epochs after 2: the run is finished (it started Ray again,
+    replayed the final evaluation and rewrote summary.json)."""
+    import torch
+
+    from elastic_train.preflight.finished import finished_run
+    from elastic_train.training.checkpoint import snapshot, write_checkpoint
+
+    cfg = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", "train.epochs=2",
+                             "train.max_steps=1000"])
+    model = torch.nn.Linear(2, 2)
+    snap = snapshot(model, torch.optim.SGD(model.parameters(), lr=0.1), None,
+                    {"step": 44, "epoch": 1, "step_in_epoch": 22}, cfg.to_dict(), world_size=1)
+    write_checkpoint(snap, tmp_path / "r" / "checkpoint_000000044")
+    summary = {"status": "finished", "steps": 44, "ended_by": "train.epochs", "epochs_completed": 2}
+    (tmp_path / "r" / "summary.json").write_text(json.dumps(summary))
+    done = finished_run(cfg)
+    assert done is not None and done["checkpoint"] == "checkpoint_000000044"
+    assert done["checkpoint_epoch"] == 2
+    more = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", "train.epochs=3",
+                              "train.max_steps=1000"])
+    assert finished_run(more) is None  # a third epoch trains on

@@ -50,6 +50,12 @@ def finished_run(cfg: Config) -> dict[str, Any] | None:
         return None
     name, state = latest
     step, epoch = state.get("step", 0), state.get("epoch", 0)
+    steps = summary.get("steps")
+    if (summary.get("ended_by") == "train.epochs" and isinstance(steps, int) and step >= steps
+            and isinstance(summary.get("epochs_completed"), int)):
+        # a checkpoint of the epoch's last step, written before the loop found the epoch over
+        # (a periodic one on that step): the run that wrote summary.json ended there
+        epoch = max(epoch, summary["epochs_completed"])
     if step < cfg.train.max_steps and epoch < cfg.train.epochs:
         return None
     return {**summary, "checkpoint": name, "checkpoint_step": step, "checkpoint_epoch": epoch}

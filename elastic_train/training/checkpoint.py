@@ -432,6 +432,20 @@ class BestCheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
+    def adopt(self, state: Any) -> None:
+        """A resumed state takes the best that `best_checkpoint.json` names when it is newer than
+        the state's last evaluation and no later than its step: an evaluation after the
+        checkpoint was written (the run's final one, on the step of its last periodic
+        checkpoint, which the final save did not write again). Else a later, worse evaluation
+        would count as an improvement, move the pointer to it and delete the true best."""
+        pointer = read_best_pointer(self.fs, self.run_path)
+        if pointer is None or not isinstance(pointer.get("step"), int) or not isinstance(
+                pointer.get("eval_loss"), int | float):
+            return
+        if (state.eval_step < pointer["step"] <= state.step
+                and (state.best_eval_loss is None or pointer["eval_loss"] < state.best_eval_loss)):
+            state.best_eval_loss, state.best_step = float(pointer["eval_loss"]), pointer["step"]
+
     def submit(self, snap: dict[str, Any], step: int, eval_loss: float) -> None:
         self.wait()
 

@@ -132,6 +132,8 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     # the best checkpoint: rank 0 writes it, or with fsdp each rank its own rows (evaluate.py)
     writes_best = rank == 0 or t.setup.sharded is not None
     best = env.best_writer() if evaluating and cfg.checkpoint.keep_best and writes_best else None
+    if best is not None:
+        best.adopt(state)
     env.log_event({"event": "start", "attempt": attempt, "world_size": world_size,
                    "resumed_step": state.step, "rank": rank,
                    "utilisation": utilisation(num_partitions(cfg), world_size),
@@ -212,7 +214,9 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                 env.step_ended(step_s)
                 if evaluating and cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
                     run_eval(cfg, env, t, partitions, attempt, best, rank == 0)  # between steps: no watchdog
-                periodic = cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0
+                # not on the last step: the final save follows, with the final evaluation in it
+                periodic = (cfg.checkpoint.every_steps and state.step < cfg.train.max_steps
+                            and state.step % cfg.checkpoint.every_steps == 0)
                 if periodic or requested:
                     # requested: the driver expects a resize; commit it before going on (SYNC)
                     _log_reads(env, attempt, reader)
