@@ -330,3 +330,45 @@ def test_a_cursor_off_the_plan_is_refused_naming_the_checkpoint_and_partition(da
     # each rank checks only its own partitions: rank 0 of 2 does not see partition 3 or 5
     check_cursors(BlockReader(table), spec(), partitions=owned_partitions(0, 2, K), epoch=0,
                   step_in_epoch=20, cursors=stale, shown="checkpoint_000000020")
+
+
+def test_keep_position_resumes_mid_epoch_at_the_plans_place_in_the_data_as_it_is(small_dataset):
+    """data.on_change=keep_position lets a resume onto other data (here another data.seed)
+    through the driver; the workers then took the saved cursors, of the other plan, for the
+    plan's and refused the checkpoint mid-epoch. They now start every partition where the
+    plan of the data as it is stands after the saved step; without keep_position the check
+    still refuses."""
+    from types import SimpleNamespace
+
+    from conftest import TINY
+
+    from elastic_train.config import load_config
+    from elastic_train.data.blocks import plan_positions
+    from elastic_train.data.dataset import inspect_dataset
+    from elastic_train.data.rowgroups import DataError
+    from elastic_train.preflight.inputs import data_tables
+    from elastic_train.training.loop import check_restored_position, stream_spec
+    from elastic_train.training.step import TrainState
+
+    def config(*extra: str):  # small windows: where a partition stands depends on the seed
+        return load_config(None, [*TINY, f"data.path={small_dataset}", "data.shuffle_window=16",
+                                  *extra])
+
+    before = config()
+    table = data_tables(before, inspect_dataset(small_dataset)).train
+    env = SimpleNamespace(block_table=table, world_rank=0, world_size=1)
+    partitions = list(range(stream_spec(before).num_partitions))
+    saved = {str(p): list(c) for p, c in plan_positions(
+        BlockReader(table), stream_spec(before), partitions=partitions, epoch=0,
+        step_in_epoch=5).items()}
+    check_restored_position(before, env, TrainState(step=5, step_in_epoch=5, cursors=saved))
+    reseeded = config("data.seed=3")
+    with pytest.raises(DataError, match="not at"):
+        check_restored_position(reseeded, env, TrainState(step=5, step_in_epoch=5,
+                                                          cursors=dict(saved)))
+    kept = config("data.seed=3", "data.on_change=keep_position")
+    state = TrainState(step=5, step_in_epoch=5, cursors=dict(saved))
+    check_restored_position(kept, env, state)
+    expected = plan_positions(BlockReader(table), stream_spec(kept), partitions=partitions,
+                              epoch=0, step_in_epoch=5)
+    assert state.cursors == {str(p): list(c) for p, c in expected.items()} != saved

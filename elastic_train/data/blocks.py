@@ -225,6 +225,14 @@ def iter_rank_steps(
         yield step, dict(cursors)
 
 
+def plan_positions(reader: BlockReader, spec: StreamSpec, *, partitions: list[int], epoch: int,
+                   step_in_epoch: int) -> dict[int, Cursor]:
+    """Where the plan stands after `step_in_epoch` steps of `epoch`, for each of `partitions`."""
+    assignment = assign_blocks(reader.table.tokens, spec.num_partitions, spec.seed, epoch)
+    return {p: PartitionStream(p, assignment[p], spec, epoch, reader).position_after(step_in_epoch)
+            for p in partitions}
+
+
 def check_cursors(reader: BlockReader, spec: StreamSpec, *, partitions: list[int], epoch: int,
                   step_in_epoch: int, cursors: dict[int, Cursor], shown: str) -> None:
     """Refuse a restored data position that is not where the plan stands after `step_in_epoch`
@@ -234,9 +242,8 @@ def check_cursors(reader: BlockReader, spec: StreamSpec, *, partitions: list[int
     per window (measured: docs/fault_tolerance.md)."""
     if not step_in_epoch:
         return
-    assignment = assign_blocks(reader.table.tokens, spec.num_partitions, spec.seed, epoch)
-    for p in partitions:
-        expected = PartitionStream(p, assignment[p], spec, epoch, reader).position_after(step_in_epoch)
+    for p, expected in plan_positions(reader, spec, partitions=partitions, epoch=epoch,
+                                      step_in_epoch=step_in_epoch).items():
         found = cursors.get(p)
         if found != expected:
             raise DataError(

@@ -22,7 +22,13 @@ from elastic_train.config import (
     num_partitions,
 )
 from elastic_train.data.batches import Prefetcher
-from elastic_train.data.blocks import BlockReader, check_cursors, iter_rank_steps, make_reader
+from elastic_train.data.blocks import (
+    BlockReader,
+    check_cursors,
+    iter_rank_steps,
+    make_reader,
+    plan_positions,
+)
 from elastic_train.data.plan import (
     StreamSpec,
     assign_blocks,
@@ -64,12 +70,21 @@ def stream_spec(cfg: Config) -> StreamSpec:
 
 def check_restored_position(cfg: Config, env: WorkerEnv, state: TrainState) -> None:
     """A restored data position must be the plan's for its step (blocks.check_cursors): each rank
-    checks the partitions it owns at this world size, so together they check every one once."""
+    checks the partitions it owns at this world size, so together they check every one once.
+    With data.on_change=keep_position (a resume onto other data, let through by the driver) the
+    positions are the plan's of the data as it is now, after the saved step of the epoch: each
+    rank sets those of its partitions (the next save gathers them all)."""
     if not state.step_in_epoch:
         return
-    check_cursors(BlockReader(env.block_table), stream_spec(cfg),
-                  partitions=owned_partitions(env.world_rank, env.world_size, num_partitions(cfg)),
-                  epoch=state.epoch, step_in_epoch=state.step_in_epoch,
+    spec, reader = stream_spec(cfg), BlockReader(env.block_table)
+    owned = owned_partitions(env.world_rank, env.world_size, num_partitions(cfg))
+    if cfg.data.on_change == "keep_position":
+        positions = plan_positions(reader, spec, partitions=owned, epoch=state.epoch,
+                                   step_in_epoch=state.step_in_epoch)
+        state.cursors.update((str(p), list(c)) for p, c in positions.items())
+        return
+    check_cursors(reader, spec, partitions=owned, epoch=state.epoch,
+                  step_in_epoch=state.step_in_epoch,
                   cursors={int(p): (c[0], c[1]) for p, c in state.cursors.items()},
                   shown=checkpoint_name(state.step))
 
