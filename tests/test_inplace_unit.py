@@ -5,6 +5,7 @@ a frozen replica's process is found and ended, never another."""
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 import subprocess
 import sys
@@ -249,3 +250,75 @@ def test_a_replacement_whose_heal_failed_waits_for_the_next_quorum_until_its_dea
     fresh = _replica(unrestored=True)
     assert _join_quorum(env, fresh, cfg, _Pool(), True, time.monotonic() + 600) == "train"
     assert fresh.t.state.step == 0 and not fresh.manager.errors
+
+
+class _InProcess:
+    """A Ray actor handle over the real RunLog class in this process: `log.f.remote(...)` calls
+    `f` at once (the returned value stands for its ObjectRef; `ray.get` is stubbed to return it)."""
+
+    def __init__(self, log) -> None:
+        self.log = log
+
+    def __getattr__(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(remote=getattr(self.log, name))
+
+
+def _replica_env(runlog: _InProcess, world_rank: int):
+    """A worker's env as in place (`group` set), without Ray Train's context."""
+    from elastic_train.cluster.worker import RayWorkerEnv
+
+    env = RayWorkerEnv.__new__(RayWorkerEnv)
+    env.runlog, env.world_rank, env.group, env.fatal = runlog, world_rank, "group-start", None
+    return env
+
+
+def _nonfinite_at(envs, step: int, pids: dict[int, int]) -> list[str]:
+    """Every replica of one committed step reaches max_consecutive_skips at `step` at once (each
+    on its own thread, as the RunLog's threads take their calls); what each raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elastic_train.training.step import NonFiniteError
+
+    def one(env) -> str:
+        with pytest.raises(NonFiniteError) as raised:
+            env.handle_nonfinite_in_place(step, pids, [7, 3, 5], whole_step=True)
+        return str(raised.value)
+
+    with ThreadPoolExecutor(len(envs)) as pool:
+        return list(pool.map(one, envs))
+
+
+def test_nonfinite_steps_in_place_roll_every_replica_back_then_stop_every_replica(tmp_path,
+                                                                                  monkeypatch):
+    """In place each replica's process group is itself alone: world rank 0's broadcast of its
+    rollback claim reached no one, and every other replica took the first time for the second
+    (the run stopped on those replicas, silently: no reason in the RunLog, nothing rolled back).
+    Now the RunLog answers every replica of the step alike: all roll back the first time (all
+    raise, so none is left to heal a replacement from the state past the skips), and when the
+    replay (other processes) reaches the step again, all stop, the reason recorded once; a run
+    resumed by a new driver remembers the rollback."""
+    import ray
+
+    from elastic_train.cluster.runlog import RunLog
+
+    monkeypatch.setattr(ray, "get", lambda ref, **_: ref)
+    log = RunLog.__ray_actor_class__(str(tmp_path / "run"))
+    runlog = _InProcess(log)
+    first = [_replica_env(runlog, rank) for rank in (0, 1)]
+    raised = _nonfinite_at(first, 12, {0: 4100, 1: 4101})
+    assert raised == ["non-finite gradients up to step 12: rolling back"] * 2
+    assert [env.fatal for env in first] == [None, None]  # train_worker raises: Ray replaces them
+    assert log.progress()["fatal"] is None
+
+    replay = [_replica_env(runlog, rank) for rank in (0, 1)]  # the replacements, from the checkpoint
+    raised = _nonfinite_at(replay, 12, {0: 4200, 1: 4201})
+    reason = ("non-finite gradients at step 12 again after a rollback; the sample ids of that "
+              "step's batch (3, every partition): [3, 5, 7]")
+    assert raised == [reason] * 2 and [env.fatal for env in replay] == [reason] * 2
+    assert log.progress()["fatal"] == reason  # before any replica returns from train_worker
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("step")) for e in events] == [("rollback", 12), ("fatal", None)]
+
+    resumed = RunLog.__ray_actor_class__(str(tmp_path / "run"))  # a new driver: faults.json
+    assert resumed.claim_rollback(12, "0:4300,1:4301", reason) == "fatal"
+    assert resumed.claim_rollback(13, "0:4300,1:4301", reason) == "rollback"

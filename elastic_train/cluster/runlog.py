@@ -49,6 +49,9 @@ class RunLog:
         self.tracker = self._start_tracker(tracking) if tracking and not self.folder.resuming else None
         self.attempts: list[dict] = self.folder.read_json("attempts.json", [])
         self.faults: dict[str, bool] = self.folder.read_json("faults.json", {})
+        # in place: the answer given to each occurrence of too many non-finite steps in a row,
+        # (step, its participants): "rollback" or "fatal" (`claim_rollback`)
+        self.nonfinite: dict[tuple[int, str], str] = {}
         self.latest: dict[str, Any] | None = None
         self._recent: list[tuple[int, int, float, float]] = []  # (attempt, step, real tokens, seconds)
         self.latest_eval: dict[str, Any] | None = None
@@ -400,6 +403,30 @@ class RunLog:
             self.faults[key] = True
             self.folder.write("faults.json", json.dumps(self.faults))
             return True
+
+    def claim_rollback(self, step: int, occurrence: str, message: str) -> str:
+        """In-place recovery: too many non-finite steps in a row up to `step`; every replica of
+        that step asks, and every one gets the answer given to its `occurrence` (the step's
+        participants, world rank: pid): "rollback" the first time the run reaches `step` so
+        (the same key as restart mode's claim: `rollback@<step>`, kept in faults.json), "fatal"
+        when another occurrence, the replay after that rollback, reaches it again. The first
+        "fatal" records `message` as the run's reason before any replica returns (`set_fatal`).
+        One answer for all: a replica's own process group is itself alone, so no broadcast
+        shares a decision (worker.handle_nonfinite_in_place)."""
+        key = f"rollback@{step}"
+        with self._state_lock:
+            decision = self.nonfinite.get((step, occurrence))
+            if decision is not None:
+                return decision
+            decision = "fatal" if self.faults.get(key) else "rollback"
+            self.nonfinite[(step, occurrence)] = decision
+            if decision == "rollback":
+                self.faults[key] = True
+                self.folder.write("faults.json", json.dumps(self.faults))
+                self.log_event({"event": "rollback", "step": step, "participants": occurrence})
+            else:
+                self.set_fatal(message)
+            return decision
 
     def request_checkpoint(self, reason: str) -> int:
         """A resize is coming: rank 0 checkpoints at its next step. Returns the request's ticket,

@@ -379,7 +379,8 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
         """Too many non-finite steps in a row: roll back once (restart from the last checkpoint);
         the second time at the same step, stop the run naming the step and its sample ids.
 
-        Every rank calls this at the same step (the skip decision is all-reduced)."""
+        Every rank calls this at the same step (the skip decision is all-reduced). In place,
+        `handle_nonfinite_in_place` instead."""
         from elastic_train.training.collectives import gather_from_all
         from elastic_train.training.step import NonFiniteError
 
@@ -393,13 +394,43 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
             if self.world_rank == 0:
                 self.runlog.log_event.remote({"event": "rollback", "step": step})
             raise NonFiniteError(f"non-finite gradients up to step {step}: rolling back")
-        shown = ids if len(ids) <= 256 else [*ids[:256], "..."]
-        message = (f"non-finite gradients at step {step} again after a rollback; the sample ids "
-                   f"of that step's batch ({len(ids)}, all ranks): {shown}")
+        message = _nonfinite_message(step, ids, "all ranks")
         if self.world_rank == 0:  # before any rank returns: the driver reads it after fit()
             ray.get(self.runlog.set_fatal.remote(message))
         self.fatal = message
         raise NonFiniteError(message)
+
+    def handle_nonfinite_in_place(self, step: int, participants: dict[int, int], ids: list[int],
+                                  whole_step: bool) -> None:
+        """In place, the same policy, decided by the RunLog for every replica alike.
+
+        Each replica's process group is itself alone: a broadcast from world rank 0 reaches no
+        other replica, which then took the first time for the second and stopped alone, silently.
+        Every replica of the step asks the RunLog (`claim_rollback`), naming the occurrence by
+        the step's participants (world rank: pid, the same on each: they ride in its all-reduce),
+        and gets the one answer given to that occurrence. Either answer ends every replica:
+        "rollback" raises, Ray replaces each (or restarts the group) and, no live replica holding
+        the run's state, they restore the last checkpoint (replica.settle_unrestored), replaying
+        the step as other processes: a new occurrence, answered "fatal". "fatal": the RunLog
+        holds the reason before any replica returns (`train_worker`). `ids`: the step's sample
+        ids, every partition's (`whole_step`, data.record_ids) or this replica's own."""
+        from elastic_train.training.step import NonFiniteError
+
+        scope = "every partition" if whole_step else "this replica's partitions"
+        message = _nonfinite_message(step, sorted(ids), scope)
+        occurrence = ",".join(f"{rank}:{pid}" for rank, pid in sorted(participants.items()))
+        decision = ray.get(self.runlog.claim_rollback.remote(step, occurrence, message))
+        if decision == "rollback":
+            raise NonFiniteError(f"non-finite gradients up to step {step}: rolling back")
+        self.fatal = message
+        raise NonFiniteError(message)
+
+
+def _nonfinite_message(step: int, ids: list[int], scope: str) -> str:
+    """The reason a run stops on non-finite gradients: the step and its sample ids (256 shown)."""
+    shown = ids if len(ids) <= 256 else [*ids[:256], "..."]
+    return (f"non-finite gradients at step {step} again after a rollback; the sample ids "
+            f"of that step's batch ({len(ids)}, {scope}): {shown}")
 
 
 def train_worker(config: dict[str, Any]) -> None:
@@ -443,7 +474,9 @@ def train_worker(config: dict[str, Any]) -> None:
         raise
     except NonFiniteError:
         if env.fatal is None:
-            raise  # the first time: Ray restarts the group from the last checkpoint
+            # the first time: Ray restarts the group from the last checkpoint (in place: replaces
+            # every replica, which all raise, and they restore it: handle_nonfinite_in_place)
+            raise
         # The run is over and the RunLog holds the reason, which the driver reports as the
         # failure. Raising would only make Ray restart the group to fail the same way again
         # (forever with scaling.max_failures=-1). No final checkpoint is saved.

@@ -313,7 +313,10 @@ def _train_step(run: ReplicaRun, fencer: Fencer, t0: float) -> bool:
         return False
     state.cursors = r.cursors
     if state.count_step(r.skipped, r.real, r.padded, r.rows, cfg.train.max_consecutive_skips):
-        env.handle_nonfinite(state.step, micro_batches)
+        # roll back or stop, as the RunLog answers every replica of this step alike (raises)
+        whole = r.ids is not None or n == 1  # the step's ids, or this replica's, the step's alone
+        ids = r.ids if r.ids is not None else [int(i) for mb in micro_batches for i in mb.ids]
+        env.handle_nonfinite_in_place(state.step, r.pids, ids, whole_step=whole)
     run.committed_here += 1
     fencer.observe(r.pids, acting=run.prank == 0)
     step_time_s = time.perf_counter() - t0

@@ -233,3 +233,7 @@ class InPlaceEnv(WorkerEnv, Protocol):
     def save_in_place(self, snap: dict[str, Any], step: int) -> None: ...  # outside Ray's barrier
     def wait_for_checkpoints(self) -> None: ...  # the periodic one in flight, written
     def maybe_crash_in_heal(self) -> None: ...  # test hook: die as a heal starts to arrive
+    # too many non-finite steps in a row: roll back or stop, as the RunLog answers every replica
+    # of the step (`participants`: world rank: pid) alike; raises either way
+    def handle_nonfinite_in_place(self, step: int, participants: dict[int, int], ids: list[int],
+                                  whole_step: bool) -> None: ...
