@@ -162,7 +162,8 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
                        functools.partial(_end_without_cluster, upload=upload))
         fatal = ray.get(runlog.progress.remote())["fatal"]
         summary = build_summary(folder, start_time=start, error=fatal or outcome.error,
-                                limits=(cfg.train.max_steps, cfg.train.epochs))
+                                limits=None if outcome.stopped else (cfg.train.max_steps,
+                                                                     cfg.train.epochs))
         if outcome.stopped:
             summary["status"], summary["reason"] = "stopped", f"stopped by {outcome.stopped}"
         summary["provenance"] = record
@@ -273,8 +274,7 @@ def _stopped_summary(cfg: Config, folder: str, start: float, record: dict[str, A
     if not accepted or not (path / "attempts.json").is_file():
         return ""
     try:
-        summary = build_summary(folder, start_time=start, error=None,
-                                limits=(cfg.train.max_steps, cfg.train.epochs))
+        summary = build_summary(folder, start_time=start, error=None, limits=None)  # no limit
         summary.update(status="stopped", reason=f"stopped by {signal_name}", provenance=record)
         attempts = json.loads((path / "attempts.json").read_text())
         if attempts and attempts[-1].get("start_time", 0) >= start and "end" not in attempts[-1]:

@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a run (its checks, a lease's watch, prepare)
+        print(f"stopped: stopped by SIGINT during {args.command}", file=sys.stderr)
+        return 130
     except Exception as exc:  # a failed run: summary.json has the details
         from elastic_train.api import TrainingFailed, TrainingStopped
 

@@ -10,12 +10,14 @@ driver, so run it on a node of the cluster (or submit it with `ray job submit`).
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # works without pip install
 
 from elastic_train import ConfigError, load_config, train  # noqa: E402
+from elastic_train.api import TrainingFailed, TrainingStopped  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,10 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
+        result = train(cfg)
+    except (ConfigError, ValueError) as exc:  # bad input: one line, as the command line does
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result = train(cfg)
+    except TrainingStopped as exc:
+        print(f"stopped: {exc}", file=sys.stderr)
+        return 128 + getattr(signal, exc.signal_name)
+    except TrainingFailed as exc:  # summary.json in the run folder has the details
+        print(f"error: run failed: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(result.summary, indent=2))
     print(f"run folder: {result.run_dir}\nlast checkpoint: {result.checkpoint_path}")
     return 0

@@ -4,7 +4,8 @@
         python jobs/train.py --config jobs/configs/gpu.yaml run.name=my-run optim.lr=1e-3
 
 Works without `pip install` on the cluster: the working dir (this repository) goes on sys.path.
-Exits with the command line's status: 0 finished, 1 run failed, 2 bad input (`error: ...`).
+Exits with the command line's status: 0 finished, 1 run failed, 2 bad input (`error: ...`),
+128 + the signal when stopped (143: `ray job stop`'s SIGTERM, 130: Ctrl-C).
 """
 
 import sys

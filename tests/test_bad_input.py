@@ -65,6 +65,11 @@ def good_data(tmp_path_factory) -> str:
     return str(out)
 
 
+# A real S3 client against a port nothing listens on: what a store out of reach (no network, a
+# firewall) answers, in seconds, without the network
+DEAD_STORE = "s3://nobucket/runs?region=us-east-1&endpoint_override=127.0.0.1:1&scheme=http"
+
+
 def resumable_run(storage: Path, data: str, name: str = "r", config: tuple[str, ...] = tuple(TINY)) -> Path:
     """A run folder whose checkpoint was trained on `data` with the `config` overrides (TINY;
     as check_inputs resolves them), with the `dataset.json` a fit writes; no Ray."""
@@ -405,6 +410,8 @@ CASES = [
     Case("storage is a file", with_file("afile", b"x", "run.storage_path={f}"), "run.storage_path"),
     Case("storage URI scheme unknown", train("run.storage_path=bogus://bucket/runs"),
          "run.storage_path"),
+    Case("storage on a store that does not answer", train(f"run.storage_path={DEAD_STORE}"),
+         "run.storage_path: cannot write to 's3://nobucket/runs?"),
     Case("run folder is a file", with_file("runs/t", b"x"), "run.name"),
     # config files
     Case("config not UTF-8", config_file(b"run:\n  name: \xff\xfe\n"), "c.yaml"),
@@ -543,6 +550,9 @@ CASES = [
     Case("sample --seed -1", sample_case("--seed", "-1"), "--seed"),
     # report
     Case("report missing folder", report_case(lambda tmp: str(tmp / "nope")), "nope"),
+    Case("report of a store that does not answer", report_case(lambda tmp: DEAD_STORE),
+         "run folder 's3://nobucket/runs?region=us-east-1&endpoint_override=127.0.0.1:1&scheme=http' "
+         "cannot be read: When getting information for key 'runs'"),
     Case("report folder is a file", report_case(lambda tmp: files(tmp, f_txt=b"x")[0]), "f.txt"),
     Case("report empty metrics", report_case(lambda tmp: report_run(tmp / "r", "")), "metrics.jsonl"),
     Case("report only corrupt lines", report_case(lambda tmp: report_run(
@@ -910,3 +920,26 @@ def test_a_data_set_of_its_own_sizes_the_vocabulary_from_its_token_statistics(tm
         cfg = load_config(None, [*TINY, f"data.path={path}"])
         fill_from_dataset(cfg, inspect_dataset(path))
         assert cfg.model.vocab_size == vocab
+
+
+@pytest.mark.unit
+def test_a_relative_storage_path_in_a_ray_job_is_refused(monkeypatch, tmp_path, good_data, capsys):
+    """A Ray job's driver runs in a copy of --working-dir that Ray deletes with the session: a
+    relative run.storage_path (the embedded default ./runs) would put the run folder there, lost
+    with it. Refused naming the key; the same command outside a job, or with an absolute path,
+    passes this check."""
+    from elastic_train.config import load_config
+    from elastic_train.preflight.resolve import RAY_JOB_ENV, resolve_paths
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(RAY_JOB_ENV, "{}")
+    argv = ["train", *TINY, f"data.path={good_data}", "run.storage_path=runs"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: run.storage_path: 'runs' is relative, and this driver runs as "
+                          "a Ray job") and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+    resolve_paths(load_config(None, [f"run.storage_path={tmp_path / 'runs'}"]))
+    resolve_paths(load_config(None, ["run.storage_path=~/runs"]))
+    monkeypatch.delenv(RAY_JOB_ENV)
+    resolve_paths(load_config(None, ["run.storage_path=runs"]))

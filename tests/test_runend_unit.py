@@ -419,6 +419,9 @@ def test_a_remote_runs_stopped_summary_is_written_to_its_staging_copy_and_upload
         attempts = json.loads(f.read())
     assert (summary["status"], summary["reason"], summary["steps"]) == ("stopped",
                                                                        "stopped by SIGTERM", 1)
+    # stopped in epoch 0 of train.epochs=1: no limit ended it, no epoch is counted done (every
+    # one was, as if train.epochs had ended it)
+    assert "ended_by" not in summary and summary["epochs_completed"] == 0
     assert attempts[-1]["end"]["cause"] == "stopped"
 
     exiting = subprocess.run(  # the driver's exit: the upload, then the line, then 143
@@ -457,3 +460,22 @@ def test_a_run_that_ended_its_epochs_on_a_periodic_checkpoint_is_finished(tmp_pa
     more = load_config(None, [f"run.storage_path={tmp_path}", "run.name=r", "train.epochs=3",
                               "train.max_steps=1000"])
     assert finished_run(more) is None  # a third epoch trains on
+
+
+def test_ctrl_c_before_a_run_begins_is_one_line_and_130():
+    """Ctrl-C while train's checks run (a long lease watch, a slow store, a first prepare of the
+    default corpus): one line and 130, as a stop during the run (a traceback and 1 before, the
+    status of a failed run)."""
+    import subprocess
+
+    code = ("import os, signal\n"
+            "from elastic_train import api, cli\n"
+            "def interrupted(*args, **kwargs):\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "api.check_inputs = interrupted\n"
+            "raise SystemExit(cli.main(['train', 'train.max_steps=1']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "stopped: stopped by SIGINT during train"
+    assert "Traceback" not in done.stderr

@@ -60,13 +60,17 @@ def local_copy(folder: str | os.PathLike, download: Callable[[pafs.FileSystem, s
     temporary folder that `download(fs, path, local)` fills with what the caller reads, deleted
     on exit. Errors (ValueError) name the folder as given (the URI), never the copy."""
     shown = os.fspath(folder)
-    fs, path, is_local = split_uri(shown) if "://" in shown else (None, shown, True)
+    try:  # a store that cannot be reached (no network, a bucket's region unknown): one line
+        fs, path, is_local = split_uri(shown) if "://" in shown else (None, shown, True)
+        kind = None if is_local else fs.get_file_info(path).type
+    except OSError as exc:
+        detail = " ".join(str(exc).split())
+        raise ValueError(f"run folder '{shown}' cannot be read: {detail}") from None
     if is_local:
         if not Path(path).exists():
             raise ValueError(f"run folder '{shown}' does not exist")
         yield Path(path), False
         return
-    kind = fs.get_file_info(path).type
     if kind == pafs.FileType.NotFound:
         raise ValueError(f"run folder '{shown}' does not exist")
     if kind != pafs.FileType.Directory:

@@ -150,8 +150,9 @@ def _probe_local(path: str) -> None:
 def _probe_uri(uri: str) -> None:
     try:
         fs, path = pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowException, ValueError) as exc:
-        raise ConfigError(f"run.storage_path: '{uri}' is not a URI pyarrow can open: {exc}") from None
+    except (pa.ArrowException, ValueError, OSError) as exc:  # OSError: a bucket's region unknown
+        detail = " ".join(str(exc).split())
+        raise ConfigError(f"run.storage_path: '{uri}' cannot be opened: {detail}") from None
     probe = f"{path.rstrip('/')}/.elastic-train-probe-{uuid.uuid4().hex}"
     try:
         fs.create_dir(path, recursive=True)

@@ -284,6 +284,9 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None,
     validate(cfg)  # again: a Config built in Python has not been through load_config
     resolve_config(cfg, model_fn, loss_fn)
     check_gpu(cfg)
+    remote = "://" in cfg.run.storage_path
+    if remote:  # before anything reads it (a resume's batch sizes): one line if it cannot answer
+        check_storage(cfg)
     info = resolve_dataset(cfg)
     keep_batch_sizes(cfg)  # a resume's, where they are left to the data
     fill_max_seq_len(cfg, info)  # first: the evaluation set's rows are checked against it
@@ -309,7 +312,8 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None,
     check_model_fits_data(cfg, info, model)
     if tables.eval_info is not None:
         check_model_fits_data(cfg, tables.eval_info, model)
-    check_storage(cfg)
+    if not remote:  # a local folder is made only once every input passed
+        check_storage(cfg)
     saved = check_resumable(cfg, model_signature(model), info)
     check_reduce(cfg, saved)
     check_model_memory(cfg, model, saved)

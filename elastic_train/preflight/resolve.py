@@ -10,6 +10,8 @@ from elastic_train.config import Config, ConfigError, gpt_config
 from elastic_train.training.losses import LossFn
 from elastic_train.training.model import ModelFn
 
+# set by Ray's job supervisor in a job's driver (ray._private.runtime_env.constants)
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 PATH_KEYS = (("data", "path"), ("eval", "path"), ("model", "path"), ("run", "storage_path"),
              ("train", "compile_cache_dir"))
 
@@ -29,6 +31,15 @@ def resolve_paths(cfg: Config) -> None:
     """Every local path key made absolute (and `~` expanded) here, on the driver: workers run in
     other folders (a relative model.path once passed these checks, then failed on every worker,
     4 attempts and 50 s later), and config.yaml then says which folder was meant. URIs stay."""
+    storage = cfg.run.storage_path
+    if (RAY_JOB_ENV in os.environ and "://" not in storage
+            and not os.path.isabs(os.path.expanduser(storage))):
+        raise ConfigError(
+            f"run.storage_path: '{storage}' is relative, and this driver runs as a Ray job, in a "
+            f"working directory ({os.getcwd()}) that Ray deletes with the session and names "
+            "after its content: the run folder would be lost, and a job submitted again would "
+            "not resume it. Give an absolute path or a URI (jobs/configs/default.yaml: "
+            "~/elastic_train_runs)")
     for section, key in PATH_KEYS:
         holder = getattr(cfg, section)
         value = getattr(holder, key)
