@@ -111,7 +111,9 @@ def test_the_same_failure_three_times_ends_the_run(ray_cluster, small_dataset, t
     with pytest.raises(TrainingFailed, match="cannot load the layer library") as info:
         train(cfg, model_fn=fails_on_workers)
     assert info.value.summary["status"] == "failed"
-    assert re.match(r"rank \d: ValueError: .*cannot load the layer library", info.value.summary["reason"])
+    assert re.match(r"rank \d: FactoryError: model: model_fn fails_on_workers\(vocab_size, "
+                    r"max_seq_len\) raised ValueError: cannot load the layer library",
+                    info.value.summary["reason"])
     failures = [e for e in events(tmp_path / "same") if e["event"] == "failure"]
     assert [f["decision"] for f in failures] == ["retry", "retry", "give_up"]
     assert [f["repeats"] for f in failures] == [1, 2, 3]
