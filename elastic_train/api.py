@@ -239,10 +239,9 @@ def _fit(cfg: Config, trainer, runlog, progress, local: bool, stop: StopSignals,
         outcome.error = watch.reason or _reason(outcome.failure) or _short_reason(exc)
     except KeyboardInterrupt as exc:  # RunStopped, or Ray's own KeyboardInterrupt for it from a get
         outcome.stopped = getattr(exc, "signal_name", None) or (stop.received or ["SIGINT"])[0]
-    except ray.exceptions.RayError:
-        if watch.reason is None:
-            raise
-        outcome.error = watch.reason  # the watch aborted the controller
+    except ray.exceptions.RayError as exc:  # the watch aborted the controller, or Ray lost it
+        outcome.error = watch.reason or (f"Ray Train's controller was lost: "
+                                         f"{type(exc).__name__}: {_short_reason(exc)}")
     finally:
         stop.disarm()
         signals.close()

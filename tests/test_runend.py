@@ -302,3 +302,32 @@ def test_a_stopped_run_writes_its_summary_and_releases_what_it_held(ray_cluster,
     assert json.loads((tmp_path / "stop" / "attempts.json").read_text())[-1]["end"]["cause"] == "stopped"
     wait_for("the run's placement group and resource request gone",
              lambda: _held(held_before) == ([], []), timeout_s=30)
+
+
+def test_a_lost_controller_fails_the_run_with_its_summary(ray_cluster, small_dataset, tmp_path):
+    """Ray Train's controller process killed mid-run (an OOM killer, a raylet restart): the fit
+    raised Ray's ActorDiedError through the API as a traceback, and summary.json was never
+    written. Now the run fails as any other, with its reason and summary.json "failed"."""
+    import threading
+
+    import psutil
+
+    cfg = load_config(None, [*TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
+                             "run.name=lost", "train.max_steps=10000", "checkpoint.every_steps=1"])
+    run = tmp_path / "lost"
+
+    def kill_the_controller() -> None:
+        deadline = time.monotonic() + 600
+        while not list(run.glob("checkpoint_*")) and time.monotonic() < deadline:
+            time.sleep(0.2)  # polls for the event: the first checkpoint written
+        for process in psutil.process_iter(["cmdline"]):
+            if any("ray::TrainController" in part for part in process.info["cmdline"] or []):
+                process.kill()
+
+    killer = threading.Thread(target=kill_the_controller, daemon=True)
+    killer.start()
+    with pytest.raises(TrainingFailed, match="Ray Train's controller was lost") as info:
+        train(cfg)
+    killer.join()
+    assert info.value.summary["status"] == "failed"
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
