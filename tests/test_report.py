@@ -213,3 +213,28 @@ def test_report_of_a_summary_without_optional_figures(tmp_path, capsys):
     (folder / "summary.json").write_text(json.dumps(summary))
     assert main(["report", str(folder)]) == 0
     check_png(folder / "throughput.png")
+
+
+@pytest.mark.unit
+def test_a_store_that_never_answers_is_given_up_on_with_one_line(monkeypatch, capsys):
+    """A remote run folder whose store takes connections and never answers (a firewall that
+    drops replies; GCS's client retrying for minutes): report, export and sample give up after
+    the store timeout with one line, instead of hanging (a real S3 client against a local socket
+    that never replies; the timeout shortened)."""
+    import socket
+
+    from elastic_train.observe import runfolder
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts; nothing ever reads or replies
+    port = silent.getsockname()[1]
+    monkeypatch.setattr(runfolder, "STORE_TIMEOUT_S", 1.0)
+    uri = f"s3://nobucket/runs/r?region=us-east-1&endpoint_override=127.0.0.1:{port}&scheme=http"
+    try:
+        for command in (["report", uri], ["sample", uri, "--prompt", "x"]):
+            assert main(command) == 2
+            assert capsys.readouterr().err == (f"error: run folder '{uri}' did not answer within "
+                                               "1 s; is it reachable from here?\n")
+    finally:
+        silent.close()

@@ -53,6 +53,32 @@ def split_uri(path: str) -> tuple[pafs.FileSystem, str, bool]:
     return pafs.LocalFileSystem(), os.path.abspath(path), True
 
 
+STORE_TIMEOUT_S = 30.0  # a store's first answer (a probe, a listing) before it is given up
+
+
+def call_within(call: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
+    """(True, `call()`) if it returned within `timeout_s`, (False, None) if not: a remote store
+    whose client retries for minutes (GCS out of reach) is given up on; what `call` raises is
+    raised here. It runs in a daemon thread, left behind when late."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="store-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        return False, None
+    returned, value = outcome[0]
+    if not returned:
+        raise value
+    return True, value
+
+
 @contextmanager
 def local_copy(folder: str | os.PathLike, download: Callable[[pafs.FileSystem, str, Path], None],
                prefix: str) -> Iterator[tuple[Path, bool]]:
@@ -60,12 +86,19 @@ def local_copy(folder: str | os.PathLike, download: Callable[[pafs.FileSystem, s
     temporary folder that `download(fs, path, local)` fills with what the caller reads, deleted
     on exit. Errors (ValueError) name the folder as given (the URI), never the copy."""
     shown = os.fspath(folder)
-    try:  # a store that cannot be reached (no network, a bucket's region unknown): one line
+    def find() -> tuple[Any, str, bool, Any]:
         fs, path, is_local = split_uri(shown) if "://" in shown else (None, shown, True)
-        kind = None if is_local else fs.get_file_info(path).type
+        return fs, path, is_local, None if is_local else fs.get_file_info(path).type
+
+    try:  # a store that cannot be reached (no network, a bucket's region unknown): one line
+        answered, found = call_within(find, STORE_TIMEOUT_S)
     except OSError as exc:
         detail = " ".join(str(exc).split())
         raise ValueError(f"run folder '{shown}' cannot be read: {detail}") from None
+    if not answered:
+        raise ValueError(f"run folder '{shown}' did not answer within {STORE_TIMEOUT_S:g} s; "
+                         "is it reachable from here?")
+    fs, path, is_local, kind = found
     if is_local:
         if not Path(path).exists():
             raise ValueError(f"run folder '{shown}' does not exist")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +47,9 @@ from elastic_train.config import (
     num_partitions,
 )
 from elastic_train.data.dataset import DatasetInfo
+from elastic_train.observe.runfolder import STORE_TIMEOUT_S, call_within
 
-STORAGE_PROBE_TIMEOUT_S = 30.0
+STORAGE_PROBE_TIMEOUT_S = STORE_TIMEOUT_S
 ID_BATCH_ROWS = 1 << 20  # ids read at a time (8 MiB), across row groups
 IDENTITY_FILE = "dataset.json"  # in the run folder: the data identity of the latest fit
 
@@ -199,23 +199,10 @@ def check_storage(cfg: Config, timeout_s: float = STORAGE_PROBE_TIMEOUT_S) -> No
         if os.path.exists(run) and not os.path.isdir(run):
             raise ConfigError(f"run.name: the run folder '{run}' exists and is not a folder")
         return
-    outcome: list[BaseException | None] = []
-
-    def probe() -> None:
-        try:
-            _probe_uri(storage)
-            outcome.append(None)
-        except BaseException as exc:  # handed to the caller's thread
-            outcome.append(exc)
-
-    thread = threading.Thread(target=probe, name="storage-probe", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not outcome:
+    answered, _ = call_within(lambda: _probe_uri(storage), timeout_s)
+    if not answered:
         raise ConfigError(f"run.storage_path: '{storage}' did not answer a test write within "
                           f"{timeout_s:g} s; is it reachable from here?")
-    if outcome[0] is not None:
-        raise outcome[0]
 
 
 def check_reduce(cfg: Config, checkpoint_state: dict[str, Any] | None) -> None:
