@@ -224,6 +224,9 @@ def test_summary_counts_each_evaluated_step_once_and_the_ledger_has_an_eval_line
     figures = eval_figures(evals + [_eval_record(2, 1, 4.0, 30.0)])
     assert figures["final_eval_loss"] == 3.7 and figures["best_eval_loss"] == 3.5
     assert figures["best_step"] == 4 and figures["eval_steps"] == [2, 4, 6]
+    assert eval_figures([]) == {  # a run that ended before its first evaluation: keys all there
+        "final_eval_loss": None, "final_eval_epoch": None, "final_eval_perplexity": None,
+        "best_eval_loss": None, "best_step": None, "eval_steps": []}
     lg = ledger(steps, [], 0.0, 30.0, evals)
     assert lg["eval_s"] == pytest.approx(1.2)
     assert lg["shutdown_s"] == pytest.approx(30.0 - 27.0 - 0.3)  # the final eval is not shutdown

@@ -479,3 +479,26 @@ def test_ctrl_c_before_a_run_begins_is_one_line_and_130():
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip().splitlines()[-1] == "stopped: stopped by SIGINT during train"
     assert "Traceback" not in done.stderr
+
+
+def test_a_remote_run_folder_gets_whole_files_only_and_its_summary_last(tmp_path):
+    """The staging copy's upload: no `*.tmp` (a file being written, renamed when whole: it left
+    stray objects or failed the sync when renamed mid-copy), no staged `*.pending`, no link
+    (W&B's latest-run: its run was uploaded twice), and summary.json after the logs it sums up
+    (report takes a summary older than metrics.jsonl for a stale one)."""
+    from elastic_train.observe.runfolder import upload_copy
+
+    store, _ = pafs.FileSystem.from_uri("mock:///runs")
+    staging = tmp_path / "staging"
+    (staging / "wandb" / "offline-run-1").mkdir(parents=True)
+    (staging / "wandb" / "offline-run-1" / "run-1.wandb").write_text("w")
+    (staging / "wandb" / "latest-run").symlink_to(staging / "wandb" / "offline-run-1")
+    for name in ("summary.json", "metrics.jsonl", "attempts.json", "attempts.json.tmp",
+                 "config.yaml.pending"):
+        (staging / name).write_text(name)
+    upload_copy(str(staging), store, "runs/r")
+    listed = {i.path: i for i in store.get_file_info(pafs.FileSelector("runs/r", recursive=True))
+              if i.type == pafs.FileType.File}
+    assert sorted(listed) == ["runs/r/attempts.json", "runs/r/metrics.jsonl", "runs/r/summary.json",
+                              "runs/r/wandb/offline-run-1/run-1.wandb"]
+    assert all(listed["runs/r/summary.json"].mtime >= info.mtime for info in listed.values())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -236,10 +237,30 @@ class RunFolder:
 
 
 def upload_copy(local: str, fs: pafs.FileSystem, remote_path: str) -> None:
-    """A remote run folder's staging copy `local`, uploaded over it (every file the copy holds:
-    the RunLog's, never the workers')."""
+    """A remote run folder's staging copy `local`, uploaded over it: every file the copy holds
+    (the RunLog's, never the workers'), but no link (W&B's `latest-run`: its target goes once)
+    and no file still being written (`*.tmp`, renamed into place when whole; a staged
+    `*.pending`, until the run is accepted); `summary.json` last, so that its object is never
+    older than the logs it sums up (report compares them). A file renamed away while this runs
+    is left to the next upload."""
+    root = Path(local)
+    files = []
+    for folder, subfolders, names in os.walk(root):  # a linked folder is not entered
+        subfolders[:] = sorted(d for d in subfolders if not Path(folder, d).is_symlink())
+        files += [Path(folder, name) for name in sorted(names)
+                  if not (name.endswith((".tmp", PENDING)) or Path(folder, name).is_symlink())]
+    files.sort(key=lambda path: path == root / "summary.json")
     fs.create_dir(remote_path, recursive=True)
-    pafs.copy_files(local, remote_path, destination_filesystem=fs)
+    for path in files:
+        target = f"{remote_path}/{path.relative_to(root).as_posix()}"
+        try:
+            with open(path, "rb") as source:
+                if path.parent != root:
+                    fs.create_dir(target.rpartition("/")[0], recursive=True)
+                with fs.open_output_stream(target) as sink:
+                    shutil.copyfileobj(source, sink, 1 << 20)
+        except FileNotFoundError:
+            continue
 
 
 def upload_staging(local: str, run: str) -> None:

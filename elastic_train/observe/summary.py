@@ -36,10 +36,12 @@ def split_records(lines: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
 def eval_figures(evals: list[dict[str, Any]]) -> dict[str, Any]:
     """`final_eval_loss` (of the latest step evaluated), `best_eval_loss` and its `best_step`,
     over the evaluations of each step's latest attempt (a step evaluated again after a restart
-    counts once)."""
+    counts once). Every key is there, null (eval_steps empty) before or without an evaluation:
+    a script reads them from any run's summary.json."""
     effective = effective_records(evals)
     if not effective:
-        return {}
+        return {"final_eval_loss": None, "final_eval_epoch": None, "final_eval_perplexity": None,
+                "best_eval_loss": None, "best_step": None, "eval_steps": []}
     last = effective[max(effective)]
     best = min(effective.values(), key=lambda r: (r["eval_loss"], r["step"]))
     return {"final_eval_loss": last["eval_loss"], "final_eval_epoch": last.get("epoch"),
