@@ -320,3 +320,19 @@ def test_lora_on_a_transformers_model_takes_the_chunked_head(llama_folder, monke
                                                 if "lora_A" in n][:1])
     torch.testing.assert_close(loss, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, whole_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_qlora_on_a_folder_without_weights_is_refused_on_the_driver(llama_folder, tmp_path):
+    """Not on each worker after it built the whole fp32 base (check_qlora), but before Ray."""
+    import shutil
+
+    from elastic_train.training.lora import check_qlora_inputs
+
+    qlora = ("model.lora.load_in_4bit=true", "scaling.use_gpu=true")
+    with pytest.raises(ConfigError, match=r"model\.lora\.load_in_4bit .*model\.path '.*', "
+                                          r"which holds no weights"):
+        check_qlora_inputs(lora_cfg(llama_folder, *qlora))
+    check_qlora_inputs(lora_cfg(llama_folder))  # no QLoRA: a base from its config is fine
+    shutil.copy(f"{llama_folder}/config.json", tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    check_qlora_inputs(lora_cfg(str(tmp_path), *qlora))  # weights to quantise

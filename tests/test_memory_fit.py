@@ -122,3 +122,67 @@ def test_fsdp_ranks_on_cpu_return_large_frees_to_the_os():
     from elastic_train.training.memory import return_large_frees_to_os
 
     assert return_large_frees_to_os() is (ctypes.util.find_library("c") is not None)
+
+
+LLAMA_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                 num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def qlora_70b(tmp_path_factory):
+    """A Llama-70B-shaped QLoRA run at r=16 (a config.json only: built on the meta device, no
+    weights, nothing downloaded), its config and its meta model."""
+    pytest.importorskip("peft")
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("llama70b")
+    LlamaConfig(**LLAMA_70B).save_pretrained(folder)
+    cfg = load_config(None, [
+        "model.name=hf", f"model.path={folder}", "model.lora.r=16",
+        "model.lora.target_modules=[q_proj, v_proj]", "model.lora.load_in_4bit=true",
+        "scaling.use_gpu=true", "train.precision=bf16", "data.max_seq_len=512",
+        "data.micro_batch_tokens=1024", "data.global_batch_tokens=8192"])
+    return cfg, build_meta_model(cfg.model, cfg.data.max_seq_len)
+
+
+def test_a_qlora_base_counts_as_nf4_and_a_70b_fits_an_80_gib_gpu(qlora_70b):
+    """docs/finetuning.md: a 4-bit 70B base fits one 80 GB GPU. The meta model's base is fp32
+    (nothing is quantised on meta): counted at that size, it needs 257 GiB and is refused."""
+    from dataclasses import replace
+
+    cfg, meta = qlora_70b
+    shapes = model_shapes(meta, cfg)
+    assert 69.0e9 < shapes.total < 69.1e9
+    assert 0.5 < shapes.frozen_bytes / shapes.frozen_params < 0.6
+    # every Linear of the base at NF4 (4.127 bits), the embedding, lm_head and norms in fp32
+    from elastic_train.training.memory import NF4_BYTES_PER_PARAM
+
+    d, v, layers = LLAMA_70B["hidden_size"], LLAMA_70B["vocab_size"], LLAMA_70B["num_hidden_layers"]
+    full = 2 * v * d + (2 * layers + 1) * d
+    assert shapes.frozen_bytes == pytest.approx((shapes.frozen_params - full) * NF4_BYTES_PER_PARAM
+                                                + 4 * full)
+    check_fits_memory(shapes, cfg, "exact", 1, 80 * GiB, "an 80 GiB GPU")  # no error
+    assert rank_need(shapes, cfg, "exact", 1).weights < 36 * GiB  # the base ~35 GB, as documented
+
+    plain = replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, load_in_4bit=False)))
+    fp32 = model_shapes(meta, plain)  # the same meta model: an fp32 base is 4 bytes a parameter
+    assert fp32.frozen_bytes == 4 * fp32.frozen_params
+    with pytest.raises(ModelTooLargeError, match="69.01B parameters does not fit"):
+        check_fits_memory(fp32, plain, "exact", 1, 80 * GiB, "an 80 GiB GPU")
+
+
+def test_a_qlora_that_does_not_fit_is_advised_without_fsdp(qlora_70b):
+    """fsdp is refused with a 4-bit base (validate.py): the advice names what would fit instead."""
+    cfg, meta = qlora_70b
+    shapes = model_shapes(meta, cfg)
+    need = rank_need(shapes, cfg, "exact", 1)
+    with pytest.raises(ModelTooLargeError) as info:
+        check_fits_memory(shapes, cfg, "exact", 1, 48 * GiB, "a 48 GiB GPU")
+    text = str(info.value)
+    assert "fsdp" not in text and "base_dtype" not in text
+    assert "model.lora.r=8: " in text and "data.micro_batch_tokens=512" in text
+    assert "model.gradient_checkpointing=true" in text
+    assert f"a GPU of at least {need.total / GiB:.1f} GiB" in text
+    with pytest.raises(ModelTooLargeError) as info:  # the base alone exceeds it: a bigger GPU only
+        check_fits_memory(shapes, cfg, "exact", 1, 16 * GiB, "a 16 GiB GPU")
+    assert "what would fit: a GPU of at least" in str(info.value)

@@ -39,7 +39,9 @@ to 4-bit NF4 by bitsandbytes (hf.qlora_load_kwargs, on this worker's GPU), peft'
 the adapters (fp32) are added as on the CPU path; the base's hash is of the folder's weights
 before quantisation. Refused on CPU (bitsandbytes' 4-bit training kernels need CUDA), with
 fsdp (validate.py: 4-bit weights cannot be cut into row shards), and on a folder without
-weights (nothing to quantise).
+weights (nothing to quantise: `check_qlora_inputs` on the driver, before any worker builds the
+base; `check_qlora` on the worker). The memory check counts the base as bitsandbytes stores it
+(`qlora_quantised_weights`, memory.py), not at the meta model's fp32 size.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic_train.config import ConfigError, ModelConfig
+from elastic_train.config import Config, ConfigError, ModelConfig
 from elastic_train.training.basehash import folder_hash, state_dict_hash
 
 BASE_KEY = "lora_base_sha256"  # the base's hash, a uint8 tensor of 32 bytes in the state dict
@@ -211,3 +213,67 @@ def check_qlora(model: nn.Module, model_cfg: ModelConfig) -> None:
         raise ValueError(f"model.lora.load_in_4bit: model.path '{model_cfg.path}' holds no weights "
                          "to quantise (QLoRA fine-tunes a pretrained base; a base built from its "
                          "config would be random numbers rounded to 4 bits)")
+
+
+def check_qlora_inputs(cfg: Config) -> None:
+    """On the driver: QLoRA (model.lora.load_in_4bit) quantises pretrained weights, so a model.path
+    without weight files is refused here, in one ConfigError naming both keys, instead of on each
+    worker (`check_qlora`) after it built the whole fp32 base from the config. A URI's folder is
+    asked for its weight files' names, not copied."""
+    if not cfg.model.lora.load_in_4bit or cfg.model.name != "hf" or not cfg.model.path:
+        return
+    from elastic_train.training.hf import WEIGHT_FILES, has_weights
+
+    path = str(cfg.model.path)
+    if "://" in path:
+        import pyarrow.fs as pafs
+
+        try:
+            fs, root = pafs.FileSystem.from_uri(path)
+            infos = fs.get_file_info([f"{root.rstrip('/')}/{name}" for name in WEIGHT_FILES])
+        except (OSError, ValueError):  # storage that does not answer here: the workers check
+            return
+        found = any(info.type == pafs.FileType.File for info in infos)
+    else:
+        found = has_weights(Path(path).expanduser())
+    if not found:
+        raise ConfigError(
+            f"model.lora.load_in_4bit (QLoRA) with model.path '{path}', which holds no weights "
+            f"({' or '.join(WEIGHT_FILES)}): QLoRA fine-tunes a pretrained base quantised to 4 "
+            "bits, and a base built from its config would be random numbers rounded to 4 bits; "
+            "point model.path at a folder with the pretrained weights, or drop "
+            "model.lora.load_in_4bit")
+
+
+def qlora_quantised_weights(base: nn.Module) -> list[nn.Parameter]:
+    """The frozen weights QLoRA's `from_pretrained` (hf.qlora_load_kwargs) stores in 4 bits, found
+    on the transformers model `base` (meta or not, with or without peft's layers): the weight of
+    every `nn.Linear` (and transformers' `Conv1D`) but those transformers keeps in full precision.
+    Read from transformers 5.25's bnb 4-bit quantizer (quantizers/base.py
+    `get_keys_to_not_convert`, `HfQuantizer.get_modules_to_not_convert`): the output embeddings
+    (lm_head), tied weights, the last parameter's module and the model's `_keep_in_fp32_modules`
+    (we pass no `llm_int8_skip_modules`); matched as `should_convert_module` does. Biases stay in
+    the compute dtype (and prepare_model_for_kbit_training casts them to fp32)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+        from transformers.quantizers.base import get_keys_to_not_convert
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        kept = list(get_keys_to_not_convert(base))
+    except (ImportError, AttributeError, TypeError):  # another transformers: its head and fp32 list
+        from transformers.pytorch_utils import Conv1D
+
+        head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+        kept = [name for name, module in base.named_modules() if head is not None and module is head]
+
+        def should_convert_module(name: str, patterns: list[str]) -> bool:
+            return not any(name == key or name.startswith(key + ".") or name.endswith(key)
+                           for key in patterns)
+    kept += list(getattr(base, "_keep_in_fp32_modules", None) or [])
+    weights = []
+    for name, module in base.named_modules():
+        name = name.removesuffix(".base_layer")  # peft's LoRA layer wraps the quantised Linear
+        if (type(module) is nn.Linear or isinstance(module, Conv1D)) \
+                and not module.weight.requires_grad and should_convert_module(name, kept):
+            weights.append(module.weight)
+    return weights

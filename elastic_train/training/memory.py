@@ -19,6 +19,13 @@ Per rank, AdamW (optim.py and sharding.py give the bytes per parameter):
   input; plus the logits and their gradient (tokens x vocab x 4 bytes, twice). Models that do not
   say L and d (user modules) get the logits term alone.
 
+QLoRA (model.lora.load_in_4bit): the meta model's base is fp32 (nothing is quantised on the
+meta device), so it is counted as bitsandbytes will store it: the weight of each Linear it
+quantises (lora.qlora_quantised_weights) at `NF4_BYTES_PER_PARAM`, every other frozen parameter
+(embeddings, norms, lm_head, biases) in fp32, the dtype prepare_model_for_kbit_training casts them
+to; a 70B Llama's base is then about 0.54 bytes a parameter (35 GiB), not 4 (257 GiB). The fit
+advice names no fsdp for it (refused with a 4-bit base, validate.py).
+
 What a rank can have: the device's memory on a GPU; on CPU the node's memory times Ray's memory
 monitor threshold (0.95: the fraction at which it kills workers) over the ranks sharing that node.
 """
@@ -26,7 +33,7 @@ monitor threshold (0.95: the fraction at which it kills workers) over the ranks 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -41,6 +48,12 @@ from elastic_train.training.optim import (
 GiB = 2**30
 RAY_MEMORY_THRESHOLD = 0.95  # Ray's memory monitor kills workers above this share of a node's memory
 KORTHIKANTI_BYTES = 34  # activation bytes per token, layer and unit of width, 16-bit
+# NF4 with double quantisation (hf.qlora_load_kwargs): 4 bits a weight, one absmax per block of 64
+# weights quantised to 8 bits, and one fp32 absmax per 256 of those (bitsandbytes 0.50
+# functional.quantize_4bit: blocksize 64, nested quantize_blockwise blocksize 256): 4 + 8/64 +
+# 32/(64*256) = 4.127 bits, the 0.127 bits of state of Dettmers et al., 2023 ("QLoRA", section 3).
+NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8
+QLORA_OTHER_BYTES = 4  # the rest of a QLoRA base: fp32 after prepare_model_for_kbit_training
 
 
 class ModelTooLargeError(RuntimeError):
@@ -53,13 +66,14 @@ class ModelShapes:
     """What the memory estimate reads of a (meta) model."""
 
     trainable: int  # trainable parameters
-    frozen_bytes: int  # bytes of the frozen ones (LoRA's base), in their own dtype
+    frozen_bytes: float  # bytes of the frozen ones (LoRA's base), as they are stored to train
     largest_block: int  # parameters of the largest block FSDP gathers whole
     n_layer: int | None = None  # for the activation estimate
     width: int | None = None
     vocab: int | None = None
     lora: bool = False
     frozen_params: int = 0
+    qlora: bool = False  # a 4-bit base (model.lora.load_in_4bit): no fsdp
 
     @property
     def total(self) -> int:
@@ -79,9 +93,23 @@ def model_shapes(model: nn.Module, cfg: Config) -> ModelShapes:
         blocks = []
     largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     n_layer, width, vocab = _dims(model, cfg)
-    return ModelShapes(trainable=trainable, frozen_bytes=sum(p.numel() * p.element_size() for p in frozen),
+    lora = isinstance(model, LoraModel)
+    qlora = lora and cfg.model.lora.load_in_4bit
+    frozen_bytes = (qlora_frozen_bytes(model.peft.get_base_model(), frozen) if qlora
+                    else sum(p.numel() * p.element_size() for p in frozen))
+    return ModelShapes(trainable=trainable, frozen_bytes=frozen_bytes,
                        largest_block=largest, n_layer=n_layer, width=width, vocab=vocab,
-                       lora=isinstance(model, LoraModel), frozen_params=sum(p.numel() for p in frozen))
+                       lora=lora, frozen_params=sum(p.numel() for p in frozen), qlora=qlora)
+
+
+def qlora_frozen_bytes(base: nn.Module, frozen: list[nn.Parameter]) -> float:
+    """The bytes of QLoRA's frozen base as it trains (module docstring): the weights bitsandbytes
+    quantises at NF4's 4.127 bits, the rest in fp32, whatever dtype the meta model gave them."""
+    from elastic_train.training.lora import qlora_quantised_weights
+
+    quantised = {id(w) for w in qlora_quantised_weights(base)}
+    return sum(p.numel() * (NF4_BYTES_PER_PARAM if id(p) in quantised else QLORA_OTHER_BYTES)
+               for p in frozen)
 
 
 def _dims(model: nn.Module, cfg: Config) -> tuple[int | None, int | None, int | None]:
@@ -181,7 +209,9 @@ def check_fits_memory(shapes: ModelShapes, cfg: Config, grad_reduce: str, world_
 def what_would_fit(shapes: ModelShapes, cfg: Config, grad_reduce: str, world_size: int,
                    available_bytes: float) -> str:
     """The alternatives, each with its need per rank: fsdp (and how many ranks of this size it
-    takes), LoRA with a bf16 base (sharded or not)."""
+    takes), LoRA with a bf16 base (sharded or not); for QLoRA `_qlora_would_fit`."""
+    if shapes.qlora:
+        return _qlora_would_fit(shapes, cfg, grad_reduce, world_size, available_bytes)
     options = []
     if cfg.train.sharding != "fsdp" or shapes.lora:
         fsdp = rank_need(shapes, cfg, grad_reduce, world_size, "fsdp").total
@@ -200,6 +230,34 @@ def what_would_fit(shapes: ModelShapes, cfg: Config, grad_reduce: str, world_siz
                        f"~{plain / GiB:.1f} GiB per rank, ~{sharded / GiB:.1f} with fsdp")
     elif shapes.lora:
         options.append("model.base_dtype=bf16 halves an fp32 base")
+    return "what would fit: " + "; ".join(options)
+
+
+def _qlora_would_fit(shapes: ModelShapes, cfg: Config, grad_reduce: str, world_size: int,
+                     available_bytes: float) -> str:
+    """QLoRA's alternatives, each with its need per rank: not fsdp (refused with a 4-bit base),
+    but a smaller r (the adapters and their state scale with it), fewer tokens a micro-batch or
+    gradient checkpointing (the activations), or a GPU with more memory than the need."""
+    need = rank_need(shapes, cfg, grad_reduce, world_size)
+    options = []
+    r = cfg.model.lora.r
+    tunable = shapes.frozen_bytes < available_bytes  # else no setting of the run helps: the base
+    if tunable and r > 1:
+        fewer = replace(shapes, trainable=shapes.trainable * (r // 2) // r)
+        options.append(f"model.lora.r={r // 2}: "
+                       f"{rank_need(fewer, cfg, grad_reduce, world_size).total / GiB:.1f} GiB")
+    tokens = batch_tokens(cfg)[0]
+    smaller = max(cfg.data.max_seq_len or 1, tokens // 2)
+    if tunable and smaller < tokens and need.activations:  # activations are linear in the tokens
+        less = need.total - need.activations * (1 - smaller / tokens)
+        options.append(f"data.micro_batch_tokens={smaller} (more micro-batches a step, the same "
+                       f"global batch): {less / GiB:.1f} GiB")
+    if tunable and not cfg.model.gradient_checkpointing and need.activations:
+        ckpt = replace(cfg, model=replace(cfg.model, gradient_checkpointing=True))
+        less = need.total - need.activations + activation_bytes(shapes, ckpt)
+        options.append(f"model.gradient_checkpointing=true: {less / GiB:.1f} GiB")
+    options.append(f"a GPU of at least {need.total / GiB:.1f} GiB (the 4-bit base alone is "
+                   f"{shapes.frozen_bytes / GiB:.1f} GiB, whole on every rank)")
     return "what would fit: " + "; ".join(options)
 
 
