@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -64,6 +65,17 @@ def test_bad_values_name_the_key(override, culprit):
 def test_batch_sizes_set_together_are_checked_at_load(overrides, culprit):
     with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("override, culprit", [
+    ("model.kwargs.num_hidden_layers=1", "model.kwargs (num_hidden_layers) with model.name=hf"),
+    ("model.vocab_size=1000", "model.vocab_size=1000 with model.name=hf"),
+])
+def test_hf_keys_that_would_be_ignored_are_refused(override, culprit):
+    """The hf model is model.path's config.json: model.kwargs and model.vocab_size were accepted
+    and ignored (a 2-layer model trained where 1 was asked)."""
+    with pytest.raises(ConfigError, match=re.escape(culprit)):
+        load_config(None, ["model.name=hf", "model.path=/some/model", override])
 
 
 def test_budget_that_cannot_be_split_among_max_workers():

@@ -70,7 +70,9 @@ def test_gpu_workers_get_device_defaults_and_cpu_workers_keep_theirs():
     cpu = load_config(None, [])  # the batch sizes follow from the data set (preflight/inputs.py)
     assert (cpu.train.precision, cpu.data.micro_batch_tokens, cpu.scaling.cpus_per_worker,
             cpu.data.pad_multiple) == ("fp32", None, 1.0, 1)
-    assert load_config(None, ["data.global_batch_tokens=16384"]).data.micro_batch_tokens == 2048
+    # on CPU the micro-batch of a step set alone also follows from the data (was pinned at 2048:
+    # data.max_seq_len=4096 was refused for a micro-batch nobody set)
+    assert load_config(None, ["data.global_batch_tokens=16384"]).data.micro_batch_tokens is None
     gpu = load_config(None, ["scaling.use_gpu=true", "scaling.min_workers=1", "scaling.max_workers=1",
                              "data.global_batch_tokens=65536"])
     assert (gpu.train.precision, gpu.data.micro_batch_tokens, gpu.scaling.cpus_per_worker,
@@ -92,3 +94,6 @@ def test_batch_sizes_from_the_data_take_the_gpu_rule_on_gpu_workers():
                                  "scaling.max_workers=1", "data.max_seq_len=512"])
         fill_batch_tokens(cfg, info)
         assert (cfg.data.micro_batch_tokens, cfg.data.global_batch_tokens) == (micro, 16384)
+    long_rows = load_config(None, ["data.max_seq_len=4096", "data.global_batch_tokens=32768"])
+    fill_batch_tokens(long_rows, info)  # the micro-batch holds the longest row
+    assert (long_rows.data.micro_batch_tokens, long_rows.data.global_batch_tokens) == (4096, 32768)

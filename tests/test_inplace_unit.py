@@ -69,6 +69,9 @@ def test_in_place_refuses_what_it_does_not_do():
         (["scaling.max_workers=3"], "fixed worker count"),
         (["train.grad_reduce=ddp"], "train.grad_reduce=ddp is not supported"),
         (["data.reader=ray_data"], "data.reader=pyarrow"),
+        (["train.grad_compression=bf16"], "train.grad_compression=bf16 with fault.recovery="
+                                          "in_place: the replicas' gradients are summed exactly"),
+        (["train.grad_compression=powersgd"], "set train.grad_compression=none"),
     ]:
         with pytest.raises(ConfigError, match=match):
             load_config(None, [*base, *extra])

@@ -182,6 +182,29 @@ def test_an_hf_model_too_small_for_the_data_says_what_helps(data_a, tmp_path):
     assert "model.vocab_size" not in message  # it changes nothing for hf
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_an_hf_model_too_small_for_the_data_is_refused_with_lora_too(data_a, tmp_path, lora):
+    """LoRA wraps the transformers model (peft): the vocabulary and position checks look through
+    it to the base. Before, a LoRA run of a model embedding too few ids or positions passed
+    the driver (its position table was taken for the vocabulary; it has no config) and failed
+    on every worker with an IndexError that named no key."""
+    from transformers import LlamaConfig
+
+    small = tmp_path / "small"
+    LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                tie_word_embeddings=True).save_pretrained(small)
+    short = tmp_path / "short"
+    LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                tie_word_embeddings=True).save_pretrained(short)
+    adapters = ["model.lora.r=4", "model.lora.target_modules=[q_proj, v_proj]"] if lora else []
+    with pytest.raises(ConfigError, match="embeds 300 token ids"):
+        check_inputs(hf_config(small, data_a, tmp_path, *adapters))
+    with pytest.raises(ConfigError, match=r"longer than the model's max_position_embeddings \(32\)"):
+        check_inputs(hf_config(short, data_a, tmp_path, *adapters))
+
+
 # ---- a resume after re-preparing with another tokenizer ----
 
 def _checkpointed_run(cfg, record: dict, model_fn=None) -> None:

@@ -39,12 +39,12 @@ def resolve_device_defaults(cfg: Any) -> None:
     gpu = bool(cfg.scaling.use_gpu)
     if cfg.train.precision == "auto":
         cfg.train.precision = "bf16" if gpu else "fp32"
-    # with data.global_batch_tokens unset too, both follow from the data set once it is known
-    # (preflight/inputs.py fill_batch_tokens, which then applies the GPU rule below)
-    if cfg.data.micro_batch_tokens is None and cfg.data.global_batch_tokens is not None:
-        cfg.data.micro_batch_tokens = (
-            gpu_micro_batch_tokens(cfg.data.global_batch_tokens, cfg.scaling.max_workers,
-                                   cfg.data.max_seq_len) if gpu else CPU_MICRO_BATCH_TOKENS)
+    # unset, it follows from the data set once it is known (preflight/inputs.py
+    # fill_batch_tokens: on CPU the longest row and the data's size within the step; on GPU the
+    # rule below, applied here already when the step is set)
+    if cfg.data.micro_batch_tokens is None and cfg.data.global_batch_tokens is not None and gpu:
+        cfg.data.micro_batch_tokens = gpu_micro_batch_tokens(
+            cfg.data.global_batch_tokens, cfg.scaling.max_workers, cfg.data.max_seq_len)
     if cfg.data.pad_multiple is None:
         cfg.data.pad_multiple = GPU_PAD_MULTIPLE if gpu else 1
     if cfg.scaling.cpus_per_worker is None:

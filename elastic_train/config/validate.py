@@ -352,6 +352,10 @@ def _validate_in_place(cfg: Config) -> None:
     _require(t.grad_reduce in ("auto", "exact"),
              f"fault.recovery=in_place reduces exactly (float64, through torchft); "
              f"train.grad_reduce={t.grad_reduce} is not supported")
+    _require(t.grad_compression == "none",
+             f"train.grad_compression={t.grad_compression} with fault.recovery=in_place: the "
+             "replicas' gradients are summed exactly (float64), which no compression takes; set "
+             "train.grad_compression=none")
     _require(t.precision != "fp16", "fault.recovery=in_place does not support train.precision=fp16 "
                                     "(a grad scaler's state is not healed yet): use bf16")
     _require(cfg.data.reader == "pyarrow",
@@ -383,6 +387,12 @@ def _validate_model(m: ModelConfig) -> None:
                                              "of a transformers model with a config.json")
     _require(m.vocab_size is None or m.vocab_size >= 1, f"model.vocab_size must be >= 1, got {m.vocab_size}")
     _validate_lora(m)
+    if m.name == "hf":  # the model is its folder's config.json: these would be ignored silently
+        _require(not m.kwargs, f"model.kwargs ({', '.join(sorted(m.kwargs))}) with model.name=hf: "
+                               "the model is built from model.path's config.json, which takes no "
+                               "overrides here; edit that config (or save a copy) instead")
+        _require(m.vocab_size is None, f"model.vocab_size={m.vocab_size} with model.name=hf: the "
+                                       "vocabulary is model.path's config.json's; leave it unset")
     if m.name == "gpt":
         unknown = sorted(set(m.kwargs) - set(GPT_KWARGS))
         _require(not unknown, f"model.kwargs: {', '.join(unknown)} not known to model.name=gpt "

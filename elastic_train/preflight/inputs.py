@@ -21,7 +21,7 @@ from elastic_train.config import (
     num_partitions,
     validate,
 )
-from elastic_train.config.devices import gpu_micro_batch_tokens
+from elastic_train.config.devices import gpu_micro_batch_tokens, resolve_device_defaults
 from elastic_train.data.blocks import check_blocks
 from elastic_train.data.dataset import (
     STATS_FILE,
@@ -52,6 +52,7 @@ from elastic_train.preflight.vocab import (
     vocabulary_hash,
 )
 from elastic_train.training.checkpoint import model_signature
+from elastic_train.training.lora import check_qlora_inputs
 from elastic_train.training.losses import LossFn
 from elastic_train.training.memory import (
     RAY_MEMORY_THRESHOLD,
@@ -65,6 +66,7 @@ from elastic_train.training.memory import (
 from elastic_train.training.model import (
     BYTE_VOCAB,
     ModelFn,
+    base_model_of,
     build_meta_model,
     input_embedding_rows,
     missing_module_classes,
@@ -281,7 +283,8 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None,
     shapes only; a user's factory that refuses it, on the CPU), their fit, storage, the checkpoint
     to resume. Fills in what the config leaves to the data set (`fill_from_dataset`), so the
     resolved config says it."""
-    validate(cfg)  # again: a Config built in Python has not been through load_config
+    resolve_device_defaults(cfg)  # a Config built in Python has not been through load_config:
+    validate(cfg)  # its "auto" keys settled, then checked
     resolve_config(cfg, model_fn, loss_fn)
     check_gpu(cfg)
     remote = "://" in cfg.run.storage_path
@@ -296,6 +299,7 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None,
         check_blocks(tables.train, num_partitions(cfg), info.path)
     except ValueError as exc:
         raise ConfigError(f"data.path: {exc}") from None
+    check_qlora_inputs(cfg)  # a 4-bit base needs pretrained weights: before any build of it
     model = meta_model(cfg, model_fn)
     # a class name that matches no module: before any worker
     for key, names, used in (("model.shard_modules", cfg.model.shard_modules,
@@ -398,7 +402,8 @@ def check_model_fits_data(cfg: Config, info: DatasetInfo, model: torch.nn.Module
         raise ConfigError(
             f"model: its embedding has {rows} rows but data set {info.path} uses token id {largest}; "
             f"set model.vocab_size (or the model's own vocabulary) to at least {largest + 1}")
-    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    positions = getattr(getattr(base_model_of(model), "config", None), "max_position_embeddings",
+                        None)
     if positions is not None and cfg.data.max_seq_len > positions:
         raise ConfigError(f"data.max_seq_len ({cfg.data.max_seq_len}) is longer than the model's "
                           f"max_position_embeddings ({positions})")

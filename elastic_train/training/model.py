@@ -357,6 +357,13 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         enable()
 
 
+def base_model_of(model: nn.Module) -> nn.Module:
+    """The model itself, or a LoRA model's base (`lora.LoraModel`: peft's model, the adapters in
+    place), whose embeddings and config say what it embeds."""
+    peft = getattr(model, "peft", None)
+    return peft.get_base_model() if peft is not None else model
+
+
 def input_embedding_rows(model: nn.Module, vocab_size: int | None = None) -> int | None:
     """How many token ids the model embeds: its input embedding's rows (None if it has none).
 
@@ -366,6 +373,7 @@ def input_embedding_rows(model: nn.Module, vocab_size: int | None = None) -> int
     first declared: a position table declared before the token table would be taken for it.
     The largest errs towards accepting: a token table smaller than the position table, in a
     model that ignores vocab_size, goes unseen here and fails at its first out-of-range id."""
+    model = base_model_of(model)  # LoRA's wrapper has neither embeddings nor config of its own
     get = getattr(model, "get_input_embeddings", None)
     embedding = get() if callable(get) else None
     if isinstance(embedding, nn.Embedding):
