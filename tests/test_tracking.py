@@ -68,6 +68,82 @@ def test_released_steps_survive_a_new_driver():
     assert [s for s, _ in steps.release(None)] == [5]
 
 
+class FakeBackend:
+    """A tracking service that keeps what it was sent."""
+
+    name, target = "fake", "memory"
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def open(self, run_id: str | None, run_name: str, params: dict[str, Any]) -> str:
+        return "run1"
+
+    def log(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        self.rows += rows
+
+    def tag(self, tags: dict[str, str]) -> None:
+        pass
+
+    def finish(self, summary: dict[str, Any], files: list[Path]) -> None:
+        pass
+
+
+def fake_tracker(folder: Path, committed: Any) -> tuple[Tracker, FakeBackend]:
+    backend = FakeBackend()
+    return Tracker(lambda: [backend], folder, "run1", {}, committed, lambda m: None, poll_s=0.01), backend
+
+
+def unreadable() -> int:
+    raise RuntimeError("checkpoint_manager_snapshot.json: not valid JSON after 50 reads")
+
+
+@pytest.mark.parametrize("committed", [lambda: None, unreadable], ids=["none_yet", "unreadable"])
+def test_nothing_is_released_before_a_commit_or_when_the_snapshot_cannot_be_read(tmp_path, committed):
+    # attempt 0 logs 1..5 and crashes with nothing committed (or in place: Ray commits nothing
+    # until the end); attempt 1 replays from the start. Polls in between release nothing.
+    tracker, backend = fake_tracker(tmp_path, committed)
+    for s in range(1, 6):
+        tracker.add("step", rec(0, s, 100.0 + s))
+    time.sleep(0.3)  # many polls
+    assert backend.rows == []
+    for s in range(1, 8):
+        tracker.add("step", rec(1, s, 200.0 + s))
+    assert tracker.finish({"status": "finished", "steps": 7}, timeout_s=10)
+    assert [(s, f["attempt"], f["loss"]) for s, f in backend.rows] == [
+        (s, 1.0, 200.0 + s) for s in range(1, 8)]
+
+
+def test_an_evaluation_after_its_step_joins_the_steps_row(tmp_path):
+    tracker, backend = fake_tracker(tmp_path, lambda: None)
+    tracker.add("step", rec(0, 10, 1.5, epoch=0))
+    time.sleep(0.3)  # the evaluation after step 10 takes a moment; polls go by
+    tracker.add("eval", {"attempt": 0, "step": 10, "epoch": 1, "eval_loss": 1.7, "time": 1.0})
+    assert tracker.finish({"status": "finished", "steps": 10}, timeout_s=10)
+    assert backend.rows == [(10, {"attempt": 0.0, "loss": 1.5, "world_size": 2.0, "epoch": 1.0,
+                                  "eval_loss": 1.7})]
+
+
+def test_a_poll_that_cannot_read_the_snapshot_waits_for_one_that_can(tmp_path):
+    reads = {"n": 0}
+
+    def committed() -> int:
+        reads["n"] += 1
+        if reads["n"] <= 3:
+            raise RuntimeError("half written")
+        return 3
+
+    tracker, backend = fake_tracker(tmp_path, committed)
+    for s in range(1, 6):
+        tracker.add("step", rec(0, s, 10.0 + s))
+    deadline = time.monotonic() + 10
+    while len(backend.rows) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [s for s, _ in backend.rows] == [1, 2, 3] and reads["n"] > 3
+    assert tracker.finish({"status": "finished", "steps": 5}, timeout_s=10)
+    assert [s for s, _ in backend.rows] == [1, 2, 3, 4, 5]
+
+
 def test_the_config_becomes_dotted_parameters():
     assert flatten({"train": {"max_steps": 8, "lr": None}, "model": {"kwargs": {}, "mods": ["a"]}}) == {
         "train.max_steps": "8", "train.lr": "None", "model.kwargs": "{}", "model.mods": '["a"]'}

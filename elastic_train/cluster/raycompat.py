@@ -80,7 +80,11 @@ def checkpoint_step(dir_name: str) -> int:
 
 
 def committed_step(fs: pafs.FileSystem, run_path: str) -> int | None:
-    """The step of the latest committed checkpoint; None if none is committed yet."""
+    """The step of the latest committed checkpoint; None if none is committed yet (no snapshot,
+    or one that names none). A snapshot that cannot be read raises (SnapshotUnreadable,
+    SnapshotFormatError) instead: a caller must not take it for "none yet" (the tracker releases
+    nothing then, observe/tracking.py). Ray's alone: in place, the periodic checkpoints committed
+    by `in_place_checkpoint.json` are not counted (recovery/checkpoints.py)."""
     name = committed_checkpoint_dir(fs, run_path)
     return None if name is None else checkpoint_step(name)
 

@@ -366,7 +366,7 @@ def plot_loss(run: RunFiles, marks: list[Mark], path: Path) -> list[Mark]:
             ax.plot([r["step"] for r in replayed], [r["loss"] for r in replayed], linestyle="none",
                     marker="o", markersize=7, markerfacecolor="none", color=colour,
                     label=f"attempt {k}: steps replayed later")
-    evals = effective_records(run.evals)
+    evals = effective_records(run.evals, steps=run.records)
     if evals:
         ax.plot(list(evals), [r["eval_loss"] for r in evals.values()], color="black",
                 marker="s", markersize=5, linewidth=1.6, label="eval loss (held out)")

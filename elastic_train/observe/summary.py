@@ -1,13 +1,18 @@
 """summary.json from the run folder's logs: totals, attempts, and the goodput ledger.
 
 A step's effective record is the one of its latest attempt: steps replayed after a restart are
-counted once, and the superseded records are the work a failure cost ("replayed").
+counted once, and the superseded records are the work a failure cost ("replayed"). The rule is the
+tracked run's (observe/tracking.py): a record of attempt a is superseded once a later attempt has
+logged a step at or before it (that attempt restarted from an earlier checkpoint, so the steps
+after it that attempt a trained were thrown away), even where the later attempt never got as far:
+a run that fails during a replay ends at the replay's step, not at the failed attempt's.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +38,13 @@ def split_records(lines: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
     return steps, [r for r in lines if "eval_loss" in r]
 
 
-def eval_figures(evals: list[dict[str, Any]]) -> dict[str, Any]:
+def eval_figures(evals: list[dict[str, Any]], steps: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """`final_eval_loss` (of the latest step evaluated), `best_eval_loss` and its `best_step`,
     over the evaluations of each step's latest attempt (a step evaluated again after a restart
-    counts once). Every key is there, null (eval_steps empty) before or without an evaluation:
-    a script reads them from any run's summary.json."""
-    effective = effective_records(evals)
+    counts once; `steps`, the step records, say which a restart threw away). Every key is there,
+    null (eval_steps empty) before or without an evaluation: a script reads them from any run's
+    summary.json."""
+    effective = effective_records(evals, steps)
     if not effective:
         return {"final_eval_loss": None, "final_eval_epoch": None, "final_eval_perplexity": None,
                 "best_eval_loss": None, "best_step": None, "eval_steps": []}
@@ -95,10 +101,23 @@ def _worker_phases(event: dict, begin: float) -> dict[str, float]:
     return out
 
 
-def effective_records(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """step -> the record of that step's latest attempt."""
+def effective_records(records: list[dict[str, Any]],
+                      steps: Sequence[dict[str, Any]] = ()) -> dict[int, dict[str, Any]]:
+    """step -> the record of that step's latest attempt, the superseded records left out (see the
+    module docstring). `steps`: the step records that also say where each attempt began (for
+    evaluation records: the step records of the same run)."""
+    first: dict[int, int] = {}  # attempt -> the lowest step it logged
+    for rec in [*steps, *records]:
+        first[rec["attempt"]] = min(first.get(rec["attempt"], rec["step"]), rec["step"])
+    later_first: dict[int, float] = {}  # attempt -> the lowest step any later attempt logged
+    lowest = float("inf")
+    for attempt in sorted(first, reverse=True):
+        later_first[attempt] = lowest
+        lowest = min(lowest, first[attempt])
     latest: dict[int, dict[str, Any]] = {}
     for rec in records:
+        if later_first[rec["attempt"]] <= rec["step"]:
+            continue  # thrown away by a later attempt's restart from an earlier checkpoint
         old = latest.get(rec["step"])
         if old is None or rec["attempt"] >= old["attempt"]:
             latest[rec["step"]] = rec
@@ -202,7 +221,7 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
             (e["bytes_per_param"] for e in reversed(events) if e.get("event") == "optimizer_state"),
             None),
         "ledger": ledger(records, events, start_time, end_time, evals),
-        **eval_figures(evals),
+        **eval_figures(evals, records),
         "startup": startup_breakdown(events, start_time),
     }
     if limits is not None and not error and effective:

@@ -11,7 +11,18 @@ step, W&B's history only goes forward). So a record is held back until no later 
 its step: until a checkpoint of that step or later is committed (a restart resumes from the latest
 committed checkpoint, so it replays only steps after it), or the run ends. A record of attempt a is
 dropped as superseded once an attempt b > a has logged a step at or before it. A step is logged
-once; its metrics hold the step's and its evaluation's figures.
+once; its metrics hold the step's and its evaluation's figures (the loop evaluates a step before
+it checkpoints it, so its evaluation is there before a commit releases the step).
+
+Only the run's end releases everything. Before the first commit nothing is released (a restart
+would replay from the start), and a poll that cannot read Ray's snapshot (half written, or a
+format this module does not know) releases nothing until a later poll reads it. In place
+(`fault.recovery=in_place`) Ray commits only the final checkpoint (the periodic ones are written
+in place, recovery/checkpoints.py): the committed step read is Ray's alone, never the in-place
+pointer's, so such a run's steps are held until the run's end (or, on a resumed run, released up
+to the checkpoint Ray committed before). We chose that over reading `in_place_checkpoint.json`:
+it is always safe (a restore takes a checkpoint at least as new as Ray's), and the committed
+step's other readers (the failure lines, attempts.json) keep Ray's meaning.
 
 A tracking server that is down or slow never stops or slows training: the RunLog only puts records
 on a bounded queue (never waiting); one background thread talks to the servers. A backend that
@@ -74,8 +85,8 @@ class EffectiveSteps:
                    for b, first in self.first_step.items())
 
     def release(self, up_to: int | None) -> list[tuple[int, dict[str, float]]]:
-        """The effective records of steps up to `up_to` (None: all), merged per step, in step
-        order; superseded records are dropped."""
+        """The effective records of steps up to `up_to` (None: all, for the run's end only),
+        merged per step, in step order; superseded records are dropped."""
         out: dict[int, dict[str, float]] = {}
         for (kind, step), record in sorted(self.pending.items(), key=lambda kv: kv[0][1]):
             if self._superseded(record):
@@ -288,7 +299,9 @@ class Tracker:
                     self._handle(item)
                 if self.steps.pending and time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + self.poll_s
-                    self._log(self.steps.release(self._committed()))
+                    committed = self._committed()
+                    if committed is not None:  # none yet, or unreadable: hold everything
+                        self._log(self.steps.release(committed))
         finally:
             self.done.set()
 
@@ -314,6 +327,8 @@ class Tracker:
                 self._call(backend, lambda b=backend: b.tag(item[1]))
 
     def _committed(self) -> int | None:
+        """The committed step; None if none is committed yet or the snapshot cannot be read now
+        (both release nothing: see the module docstring)."""
         try:
             return self.committed()
         except Exception:  # a snapshot being rewritten: look again at the next poll
