@@ -102,10 +102,22 @@ def test_report_without_summary(tmp_path, capsys):
     assert sum(computed["ledger"][p] for p in LEDGER_PARTS) == pytest.approx(computed["wall_s"])
     assert "incomplete" in capsys.readouterr().out
 
-    # A summary.json older than the metrics (a resumed run going on) is recomputed too.
+    # A summary.json of an earlier fit (a resumed run going on) is recomputed too: told by the
+    # time it says it was written, earlier than the new fit's records, whatever the files' times
+    # (remote storage uploads the old summary again with the new logs: its object is newest).
     (folder / "summary.json").write_text(json.dumps(summary))
+    assert make_report(folder).run.summary["status"] == "finished"
+    resumed = _record(13, 2, 1, summary["written_at"] + 30.0, 3.0)
+    with (folder / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(resumed) + "\n")
+    os.utime(folder / "metrics.jsonl", (summary["written_at"],) * 2)  # as if uploaded first
+    assert make_report(folder).run.summary["status"] == "incomplete"
+    # one written before summary.json said when: the files' times decide
+    (folder / "summary.json").write_text(json.dumps({k: v for k, v in summary.items()
+                                                     if k != "written_at"}))
     old = time.time() - 100
     os.utime(folder / "summary.json", (old, old))
+    os.utime(folder / "metrics.jsonl")
     assert make_report(folder).run.summary["status"] == "incomplete"
 
 

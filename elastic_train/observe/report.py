@@ -209,15 +209,31 @@ def load_run(folder: str | Path) -> RunFiles:
     attempts = (_read_json_file(attempts_path, _is_attempts, "a list of attempts")
                 if attempts_path.is_file() else [])
     summary_path = folder / "summary.json"
-    if not summary_path.is_file():
+    summary = (_read_json_file(summary_path, lambda c: isinstance(c, dict), "a JSON object")
+               if summary_path.is_file() else None)
+    if summary is None:
         source = "computed from the logs: no summary.json (still running, or the driver died)"
-    elif summary_path.stat().st_mtime + 1.0 < metrics.stat().st_mtime:
+    elif _older_than_the_logs(summary, summary_path, metrics, records, attempts):
         source = "computed from the logs: summary.json is older than metrics.jsonl (resumed run)"
     else:
-        summary = _read_json_file(summary_path, lambda c: isinstance(c, dict), "a JSON object")
         return RunFiles(folder, records, events, attempts, summary, "summary.json", skipped, evals)
     summary = summary_from_logs(folder, records, events, attempts, source, evals)
     return RunFiles(folder, records, events, attempts, summary, source, skipped, evals)
+
+
+def _older_than_the_logs(summary: dict, path: Path, metrics: Path, records: list[dict],
+                         attempts: list[dict]) -> bool:
+    """Whether summary.json is an earlier fit's (a resumed run still training, or whose driver
+    died): it says when it was written (`written_at`), later than every step record and
+    attempt start of the fit it sums up. Files' times decide for one written before
+    `written_at` existed; never for remote storage, whose objects take the time of their last
+    upload (a staging copy uploads the old summary again with the new logs)."""
+    written = summary.get("written_at")
+    if not isinstance(written, int | float):
+        return path.stat().st_mtime + 1.0 < metrics.stat().st_mtime
+    latest = max([r.get("time", 0) for r in records]
+                 + [a.get("start_time", 0) for a in attempts if isinstance(a, dict)])
+    return latest > written + 1.0
 
 
 def by_attempt(records: list[dict]) -> dict[int, list[dict]]:

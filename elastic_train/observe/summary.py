@@ -212,6 +212,7 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
         "padded_tokens": padded,
         "padding_efficiency": real / padded if padded else None,
         "wall_s": wall,
+        "written_at": end_time,  # what report compares with the logs: not a file's time
         "tokens_per_s": fit_real / wall if wall > 0 else None,
         **attempt_counts(attempts),
         "world_sizes": [a["world_size"] for a in attempts],
