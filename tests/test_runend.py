@@ -313,15 +313,21 @@ def test_a_lost_controller_fails_the_run_with_its_summary(ray_cluster, small_dat
     import psutil
 
     cfg = load_config(None, [*TINY, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
-                             "run.name=lost", "train.max_steps=10000", "checkpoint.every_steps=1"])
+                             "run.name=lost", "train.max_steps=300", "checkpoint.every_steps=1"])
     run = tmp_path / "lost"
+
+    import ray
+
+    # this cluster's raylet: its worker processes are its children (another test module's
+    # cluster, on the other pytest worker, runs controllers of its own)
+    raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
 
     def kill_the_controller() -> None:
         deadline = time.monotonic() + 600
         while not list(run.glob("checkpoint_*")) and time.monotonic() < deadline:
             time.sleep(0.2)  # polls for the event: the first checkpoint written
-        for process in psutil.process_iter(["cmdline"]):
-            if any("ray::TrainController" in part for part in process.info["cmdline"] or []):
+        for process in psutil.Process(raylet).children(recursive=True):
+            if any("ray::TrainController" in part for part in process.cmdline()):
                 process.kill()
 
     killer = threading.Thread(target=kill_the_controller, daemon=True)

@@ -468,10 +468,13 @@ def test_ctrl_c_before_a_run_begins_is_one_line_and_130():
     status of a failed run)."""
     import subprocess
 
-    code = ("import os, signal\n"
+    code = ("import os, signal, time\n"
             "from elastic_train import api, cli\n"
+            # as in a terminal: a background job (CI's runner) inherits SIGINT ignored
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "def interrupted(*args, **kwargs):\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(60)  # a slow check: the KeyboardInterrupt comes here\n"
             "api.check_inputs = interrupted\n"
             "raise SystemExit(cli.main(['train', 'train.max_steps=1']))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
