@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from elastic_train.config import Config
 from elastic_train.data.dataset import inspect_dataset
-from elastic_train.preflight.inputs import data_tables
+from elastic_train.preflight.inputs import data_tables, table_horizon
 from elastic_train.training.checkpoint import BestCheckpointWriter
 from elastic_train.training.loop import train_loop
 
@@ -87,6 +87,8 @@ def train_locally(cfg: Config, model_fn=None, loss_fn=None,
                   env_cls: type[LocalEnv] = LocalEnv) -> LocalEnv:
     """Train `cfg` (a resolved config, e.g. a run's config.yaml) in this process, uninterrupted."""
     tables = data_tables(cfg, inspect_dataset(cfg.data.path))
+    if cfg.optim.schedule_steps is None:  # the cosine's end, as check_inputs resolves it for a run
+        cfg.optim.schedule_steps = table_horizon(cfg, tables.train).total
     env = env_cls(tables.train, extra_columns, tables.eval, folder)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -848,27 +848,41 @@ def test_an_sql_mlflow_store_needs_the_full_mlflow(monkeypatch, tmp_path):
 @pytest.mark.unit
 def test_a_resume_that_moves_the_lr_schedule_says_from_what_to_what(tmp_path, good_data, caplog,
                                                                     no_ray):
-    """A resumable run at step 2 of 8 resumed with train.max_steps=80: one warning, before Ray,
-    with the LR the resume step had and the one it gets now; the same max_steps says nothing."""
+    """The cosine ends at the run's last step (optim.schedule_steps resolved by check_inputs:
+    train.epochs here, before train.max_steps). A run at step 2 resumed with a train.max_steps
+    that ends it sooner: one warning, before Ray, with the LR the resume step had and the one it
+    gets now; a train.max_steps still past the epoch's end moves nothing but the warmup's
+    change; the same config says nothing."""
     import logging
 
     from elastic_train.config import load_config
+    from elastic_train.preflight.inputs import check_inputs
     from elastic_train.training.optim import lr_at
 
-    resumable_run(tmp_path / "runs", good_data, "t")
+    run = resumable_run(tmp_path / "runs", good_data, "t")
+    saved = load_config(str(run / "config.yaml"), [])
+    epoch_end = saved.optim.schedule_steps
+    assert 4 < epoch_end < saved.train.max_steps  # one epoch ends the run: its cosine too
     caplog.set_level(logging.WARNING)
-    argv = train("train.max_steps=80", "optim.warmup_steps=1")(tmp_path, good_data)
+    shorter = epoch_end - 2
+    argv = train(f"train.max_steps={shorter}", "optim.warmup_steps=1")(tmp_path, good_data)
     with pytest.raises(AssertionError, match="Ray would start now"):
         main(argv)
     notes = [r.getMessage() for r in caplog.records if "learning rate goes from" in r.getMessage()]
-    saved = load_config(None, [*TINY])
-    now = load_config(None, [*TINY, "optim.warmup_steps=1"])
-    before, after = lr_at(2, saved.optim, saved.train.max_steps), lr_at(2, now.optim, 80)
+    now = load_config(None, [*TINY, f"data.path={good_data}", f"run.storage_path={tmp_path / 'r2'}",
+                             f"train.max_steps={shorter}", "optim.warmup_steps=1"])
+    check_inputs(now)
+    assert now.optim.schedule_steps == shorter
+    before, after = lr_at(2, saved.optim, 0), lr_at(2, now.optim, 0)
     assert before != after
     assert notes == [f"run t: resuming at step 2, the learning rate goes from {before:.3g} to "
-                     f"{after:.3g} (train.max_steps {saved.train.max_steps} -> 80 moves the "
-                     "schedule's end; the schedule follows the current config)"]
+                     f"{after:.3g} (the schedule's end moves from step {epoch_end} to {shorter} "
+                     f"(train.max_steps {saved.train.max_steps} -> {shorter}); the schedule "
+                     "follows the current config)"]
     caplog.clear()
+    with pytest.raises(AssertionError, match="Ray would start now"):
+        main(train(f"train.max_steps={saved.train.max_steps * 2}")(tmp_path, good_data))
+    assert not [r for r in caplog.records if "learning rate goes from" in r.getMessage()]
     with pytest.raises(AssertionError, match="Ray would start now"):
         main(train()(tmp_path, good_data))
     assert not [r for r in caplog.records if "learning rate goes from" in r.getMessage()]

@@ -341,6 +341,15 @@ def test_eval_is_the_same_on_1_and_2_workers_and_across_crashes(ray_cluster, hel
     assert two.summary["best_eval_loss"] == min(evals.values())
     assert two.summary["final_eval_loss"] == evals[steps]
     assert evals[two.summary["best_step"]] == two.summary["best_eval_loss"]
+    # train.epochs ends the run long before train.max_steps: its cosine ends with it, and the
+    # last step trains near the floor (with the end at train.max_steps it stayed near the peak)
+    assert two.summary["ended_by"] == "train.epochs" and steps < 1000
+    optim = load_config(None, EVAL).optim
+    lrs = {r["step"]: r["lr"] for r in two_lines if "lr" in r}
+    floor = optim.min_lr_ratio * optim.lr
+    assert lrs[steps] == pytest.approx(floor + 0.5 * (1 + math.cos(
+        math.pi * (steps - 1 - optim.warmup_steps) / (steps - optim.warmup_steps))) * (optim.lr - floor))
+    assert lrs[steps] < floor + 0.05 * (optim.lr - floor)
     # Exactly once, held out never trained: every trained id is outside the held-out blocks,
     # and each epoch trains all the others once.
     info = inspect_dataset(small_dataset)

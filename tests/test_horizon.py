@@ -77,6 +77,10 @@ def test_batch_sizes_and_row_length_follow_a_small_data_set_unless_set(tmp_path)
     assert 2 <= num_partitions(cfg) <= 8 and d.global_batch_tokens % d.micro_batch_tokens == 0
     horizon = run_horizon(cfg, info)
     assert horizon.limit == "train.epochs" and 10 <= horizon.total < cfg.train.max_steps
+    assert cfg.optim.schedule_steps == horizon.total  # the cosine ends with the epoch
+    own = load_config(None, [*run, "optim.schedule_steps=500"])
+    check_inputs(own)
+    assert own.optim.schedule_steps == 500  # a value given is kept
     kept = load_config(None, [*run, "data.max_seq_len=200", "data.micro_batch_tokens=400",
                               "data.global_batch_tokens=1200"])
     check_inputs(kept)

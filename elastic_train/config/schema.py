@@ -194,8 +194,13 @@ class OptimConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    warmup_steps: int = 20  # linear warmup, then cosine decay to min_lr_ratio * lr at max_steps
+    # linear warmup, then cosine decay to min_lr_ratio * lr at step schedule_steps
+    warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+    # the step at which the cosine reaches its floor; None: the run's last step, counted from the
+    # data before the run starts: train.max_steps, or the end of train.epochs where that comes
+    # first (train.max_steps for a data set too large to count, data/horizon.py)
+    schedule_steps: int | None = None
 
 
 @dataclass

@@ -99,6 +99,8 @@ def validate(cfg: Config) -> None:
     for key, beta in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
         _require(0 <= beta < 1, f"{key} must be in [0, 1), got {beta}")
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _require(o.schedule_steps is None or o.schedule_steps >= 1,
+             f"optim.schedule_steps must be >= 1 (or null: the run's last step), got {o.schedule_steps}")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     _require(cfg.checkpoint.every_steps >= 0,
              f"checkpoint.every_steps must be >= 0, got {cfg.checkpoint.every_steps}")

@@ -171,9 +171,14 @@ def _held_out(cfg: Config, info: DatasetInfo, table: BlockTable, warn: bool) -> 
 def run_horizon(cfg: Config, info: DatasetInfo) -> Horizon:
     """The steps the run trains from step 0 and the limit that ends it (data/horizon.py), from
     the training blocks it will read."""
+    return table_horizon(cfg, data_tables(cfg, info).train)
+
+
+def table_horizon(cfg: Config, train: BlockTable) -> Horizon:
+    """`run_horizon` of the training blocks `train`."""
     spec = StreamSpec(num_partitions(cfg), batch_tokens(cfg)[0], cfg.data.shuffle_window,
                       cfg.data.seed, cfg.data.bucketing)
-    return plan_horizon(data_tables(cfg, info).train, spec, cfg.train.max_steps, cfg.train.epochs)
+    return plan_horizon(train, spec, cfg.train.max_steps, cfg.train.epochs)
 
 
 def fill_max_seq_len(cfg: Config, info: DatasetInfo) -> None:
@@ -299,6 +304,8 @@ def check_inputs(cfg: Config, model_fn: ModelFn | None = None,
         check_blocks(tables.train, num_partitions(cfg), info.path)
     except ValueError as exc:
         raise ConfigError(f"data.path: {exc}") from None
+    if cfg.optim.schedule_steps is None:  # the cosine ends where the run does
+        cfg.optim.schedule_steps = table_horizon(cfg, tables.train).total
     check_qlora_inputs(cfg)  # a 4-bit base needs pretrained weights: before any build of it
     model = meta_model(cfg, model_fn)
     # a class name that matches no module: before any worker

@@ -112,10 +112,11 @@ def keep_batch_sizes(cfg: Config) -> None:
 
 def lr_change_note(cfg: Config, state: dict[str, Any]) -> str | None:
     """One line when the resume changes the learning-rate schedule at the resume step (another
-    train.max_steps moves the cosine's end; other optim.lr, warmup_steps or min_lr_ratio move
-    it too): the LR that step had under the checkpoint's config, and the one it gets now. The
-    schedule is the current config's (the horizon is not kept): a larger train.max_steps
-    stretches the cosine, so the LR of the resume step goes back up (docs/fault_tolerance.md)."""
+    train.max_steps or train.epochs moves the cosine's end, optim.schedule_steps; other optim.lr,
+    warmup_steps or min_lr_ratio move it too): the LR that step had under the checkpoint's
+    config, and the one it gets now. The schedule is the current config's: a larger
+    train.max_steps stretches the cosine, so the LR of the resume step goes back up
+    (docs/fault_tolerance.md)."""
     from dataclasses import fields
 
     from elastic_train.config import OptimConfig
@@ -132,8 +133,16 @@ def lr_change_note(cfg: Config, state: dict[str, Any]) -> str | None:
     before, after = lr_at(step, old_optim, old_max), lr_at(step, cfg.optim, cfg.train.max_steps)
     if abs(before - after) <= 1e-12 * max(abs(before), 1.0):
         return None
-    why = (f"train.max_steps {old_max} -> {cfg.train.max_steps} moves the schedule's end"
-           if old_max != cfg.train.max_steps else "the optim settings changed")
+    old_end = old_optim.schedule_steps or old_max
+    new_end = cfg.optim.schedule_steps or cfg.train.max_steps
+    why = "the optim settings changed"
+    if old_end != new_end:  # a checkpoint from before optim.schedule_steps ended it at max_steps
+        why = f"the schedule's end moves from step {old_end} to {new_end}"
+        moved = [f"{key} {a} -> {b}" for key, a, b in (
+            ("train.max_steps", old_max, cfg.train.max_steps),
+            ("train.epochs", saved.get("train", {}).get("epochs"), cfg.train.epochs))
+            if a is not None and a != b]
+        why += f" ({', '.join(moved)})" if moved else ""
     return (f"run {cfg.run.name}: resuming at step {step}, the learning rate goes from "
             f"{before:.3g} to {after:.3g} ({why}; the schedule follows the current config)")
 

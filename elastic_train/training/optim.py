@@ -48,13 +48,15 @@ def lr_at(step: int, optim_cfg: OptimConfig, max_steps: int) -> float:
     """LR of optimizer step `step` (0-based): linear warmup, cosine decay, then flat.
 
     Steps 0 .. warmup_steps - 1 ramp lr * (step + 1) / warmup_steps; from warmup_steps the LR
-    follows a cosine from lr down to min_lr_ratio * lr, reached at max_steps and kept after it.
+    follows a cosine from lr down to min_lr_ratio * lr, reached at optim.schedule_steps (the
+    run's last step, which check_inputs resolves it to; `max_steps` where it is unset) and kept
+    after it.
     """
     peak = optim_cfg.lr
     if step < optim_cfg.warmup_steps:
         return peak * (step + 1) / optim_cfg.warmup_steps
     floor = optim_cfg.min_lr_ratio * peak
-    decay_steps = max_steps - optim_cfg.warmup_steps
+    decay_steps = (optim_cfg.schedule_steps or max_steps) - optim_cfg.warmup_steps
     progress = 1.0 if decay_steps <= 0 else min(1.0, (step - optim_cfg.warmup_steps) / decay_steps)
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - floor)
 
