@@ -216,25 +216,34 @@ def test_a_crash_in_a_checkpoint_then_one_worker_through_ray_data_follows_the_sa
     checkpoint never counts. The same run resumed on 1 worker reading through the other reader
     (Ray Data read tasks) from step 4's: the same ids, losses and weights as the uninterrupted
     2-worker run, to the bit. No local copy of a checkpoint is left on the node, the killed
-    writer's half-written one included."""
+    writer's half-written one included. Then a crash after the epoch's last step, resumed from
+    its checkpoint: every partition of the epoch is done, so Ray Data gets nothing to read (it used
+    to fail building a dataset of 0 blocks, on every restart)."""
     crash = ["train.epochs=2", "train.max_steps=1000", "fault.crash_at_step=8",
              "fault.crash_in_checkpoint=true"]
+    epoch_end = max(r["step"] for r in metrics(reference) if "loss" in r and r["epoch"] == 0)
     staged = set(Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*"))
     with pytest.raises(TrainingFailed):
         run(tmp_path, small_dataset, "resize", *crash, "scaling.max_failures=0")
     resized = run(tmp_path, small_dataset, "resize", *crash, "scaling.min_workers=1",
-                  "scaling.max_workers=1", "data.reader=ray_data")
-    crash = crash_event(resized)  # rank 0 died writing step 8's files, step 4's being committed
+                  "scaling.max_workers=1", "data.reader=ray_data",
+                  f"checkpoint.every_steps={epoch_end}", f"fault.schedule=[{epoch_end + 1}:crash]")
+    crash, at_end = [e for e in read_events(resized) if e["event"] == "crash_injected"]
+    # rank 0 died writing step 8's files, step 4's being committed
     assert (crash["step"], crash["in_checkpoint"], crash["committed_step"]) == (8, True, 4), crash
+    assert (at_end["step"], at_end["committed_step"]) == (epoch_end + 1, epoch_end), at_end
     resumed = [r for r in metrics(resized) if r["attempt"] == 1]
     assert resumed and resumed[0]["step"] == 5  # the step-8 checkpoint never counted
+    after_epoch = [r for r in metrics(resized) if r["attempt"] == 2 and "loss" in r]
+    assert after_epoch and after_epoch[0]["step"] == epoch_end + 1 and after_epoch[0]["epoch"] == 1
     s = resized.summary
-    assert s["world_sizes"] == [2, 1] and s["status"] == "finished"
+    assert s["world_sizes"][:2] == [2, 1] and set(s["world_sizes"][2:]) <= {1}
+    assert s["status"] == "finished" and s["restarts"] == 1
     assert s["read_amplification"] > 1.0  # steps 5-8 read again
     assert_same_training(resized, reference)
     # this run's workers' folders only: another session's runs may be staging theirs right now
     pids = {str(e["pid"]) for e in read_events(resized) if e["event"] == "start"}
-    assert len(pids) == 3  # attempt 0's two workers, the resumed one
+    assert len(pids) == 4  # attempt 0's two workers, the two resumed ones
     left = {path for path in set(Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*")) - staged
             if path.name[len(STAGING_PREFIX):].split(".")[0] in pids}
     assert not left, sorted(left)

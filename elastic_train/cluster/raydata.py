@@ -32,6 +32,10 @@ class RayDataBlockReader(BlockReader):
         import ray.data
 
         order = [int(b) for w in windows for b in w]
+        self._early = {}
+        if not order:  # nothing left to read (partitions done, or none held): no dataset of 0 blocks
+            self._stream = iter(())
+            return
         table, columns = self.table, self.columns
 
         def read(batch: dict[str, np.ndarray]) -> pa.Table:
