@@ -12,12 +12,17 @@ tied weights handled), with the data set's tokenizer beside it for `AutoTokenize
 model `model.safetensors`, the resolved `config.yaml` and the tokenizer's copy. A LoRA run
 (`model.lora.r > 0`) exports its adapters (peft's `adapter_config.json` and
 `adapter_model.safetensors`, naming model.path as the base: `PeftModel.from_pretrained(base, DIR)`
-loads them), or with `merge` the adapters merged into the base, written as above (a folder
-`from_pretrained` loads alone). A QLoRA run's adapters are loaded onto its base unquantised, in
-bf16, so export and sample need no GPU (`_unquantised`). The output is written in a scratch
-folder renamed into place: an existing folder is never overwritten. The output is checked (and
-the scratch folder made) before the model loads, so a bad `--output` costs nothing. A LoRA run of
-a model that is not `hf` (the GPT, an import path) always exports merged: peft adapters load only
+loads them, and `lora_base_sha256.json`, the hash of the base they trained on, which loading the
+export checks the base against), or with `merge` the adapters merged into the base, written as
+above (a folder `from_pretrained` loads alone). An hf export's config.json and
+generation_config.json have the KV cache on (training turned it off), and the generation config
+is the base's own generation_config.json where model.path has one. A QLoRA run's adapters are
+loaded onto its base unquantised, in bf16, so export and sample need no GPU (`_unquantised`).
+The output is written in a scratch folder renamed into place: an existing folder is never
+overwritten. The output is checked (and the scratch folder made) before the model loads, so a
+bad `--output` (a URI among them: exports are written to a local folder) costs nothing; so is
+`merge` (the source must hold LoRA adapters: its config.yaml or files say). A LoRA run of a
+model that is not `hf` (the GPT, an import path) always exports merged: peft adapters load only
 onto a base transformers can name, and the config.yaml written is the merged model's (LoRA off).
 
 Both say on stderr which checkpoint they load (its folder, step, and eval loss for the best), and
@@ -28,6 +33,7 @@ read through a temporary local copy of the files they need (`local_run`).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -55,11 +61,13 @@ from elastic_train.training.checkpoint import (
     read_state,
     signature_mismatch,
 )
-from elastic_train.training.lora import LoraModel
+from elastic_train.training.lora import BASE_KEY, LoraModel, another_base_error
 from elastic_train.training.losses import (
     forward,
 )
 from elastic_train.training.model import ModelFn, build_model
+
+BASE_HASH_FILE = "lora_base_sha256.json"  # in an adapter export: the base the adapters trained on
 
 
 @dataclass
@@ -125,10 +133,13 @@ def _is_remote_export(names: dict[str, pafs.FileType]) -> bool:
             or ("model.safetensors" in names and CONFIG_FILE in names))
 
 
-def _download_run(fs: pafs.FileSystem, path: str, local: Path, checkpoint: str | None) -> None:
+def _download_run(fs: pafs.FileSystem, path: str, local: Path, checkpoint: str | None,
+                  needs_adapters: str | None = None) -> None:
     """Copy what export and sample read of a remote folder into `local`: the whole of an export
     folder; of a run folder its config.yaml, best pointer and the one checkpoint they will load
-    (the best when whole, else the newest with a manifest), never every checkpoint it keeps."""
+    (the best when whole, else the newest with a manifest), never every checkpoint it keeps.
+    `needs_adapters` (the folder as shown): refuse one without LoRA adapters before copying
+    its model (`_check_adapters`)."""
 
     def fetch(name: str) -> None:
         if name in names:
@@ -140,10 +151,14 @@ def _download_run(fs: pafs.FileSystem, path: str, local: Path, checkpoint: str |
     local.mkdir(parents=True)
     names = {i.base_name: i.type for i in fs.get_file_info(pafs.FileSelector(path))}
     if _is_remote_export(names):
+        if needs_adapters:
+            _check_adapters(set(names), True, lambda: None, needs_adapters)
         for name in names:
             fetch(name)
         return
     fetch(CONFIG_FILE)
+    if needs_adapters:
+        _check_adapters(set(names), False, lambda: _readable_config(local), needs_adapters)
     fetch(BEST_POINTER)
     if checkpoint:
         return fetch(checkpoint)
@@ -202,15 +217,49 @@ def run_tokenizer(cfg: Config, recorded: dict | None = None) -> Tokenizer:
 
 def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
                  model_fn: ModelFn | None = None,
-                 say: Callable[[str], None] = _tell) -> TrainedModel:
+                 say: Callable[[str], None] = _tell, needs_adapters: bool = False) -> TrainedModel:
     """Rebuild the run's model and load a checkpoint's weights into it (on the CPU, eval mode);
     or, for a folder `export` wrote, the model it holds (`load_exported`). `say` gets the line
-    naming the checkpoint (and any warning about the choice)."""
-    def download(fs: pafs.FileSystem, path: str, local: Path) -> None:
-        _download_run(fs, path, local, checkpoint)
+    naming the checkpoint (and any warning about the choice). `needs_adapters` (export's merge):
+    a run or export folder that holds no LoRA adapters is refused before anything loads."""
+    shown = os.fspath(run_folder)
 
-    with local_copy(run_folder, download, "elastic-train-run-") as (folder, _):
-        return _load_trained(folder, os.fspath(run_folder), checkpoint, model_fn, say)
+    def download(fs: pafs.FileSystem, path: str, local: Path) -> None:
+        _download_run(fs, path, local, checkpoint, shown if needs_adapters else None)
+
+    with local_copy(run_folder, download, "elastic-train-run-") as (folder, remote):
+        if needs_adapters and not remote:  # a remote one was checked as it was copied
+            names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+            _check_adapters(names, is_export_folder(folder),
+                            lambda: _readable_config(folder), shown)
+        return _load_trained(folder, shown, checkpoint, model_fn, say)
+
+
+def _readable_config(folder: Path) -> Config | None:
+    """The run's config, or None where it cannot be read (loading it says why, by name)."""
+    try:
+        return load_run_config(folder)
+    except ValueError:
+        return None
+
+
+def _check_adapters(names: set[str], export_folder: bool, config: Callable[[], Config | None],
+                    shown: str) -> None:
+    """--merge merges LoRA adapters: a source without them is refused (ValueError), from its
+    files before its model loads. An export folder holds adapters when it has an
+    adapter_config.json (merged into the base as it loads: the export is that merged model);
+    a run folder when its config.yaml has model.lora.r > 0."""
+    if export_folder:
+        if "adapter_config.json" in names:
+            return
+        held = ("a whole transformers model (config.json)" if "config.json" in names
+                else "a whole model (model.safetensors)")
+        raise ValueError(f"--merge: export folder '{shown}' holds {held}, no LoRA adapters: "
+                         "there is nothing to merge; export it without --merge")
+    cfg = config()
+    if cfg is not None and cfg.model.lora.r == 0:
+        raise ValueError(f"--merge: run '{shown}' trained no LoRA adapters (model.lora.r is 0): "
+                         "its export is the whole model already; export it without --merge")
 
 
 def _load_trained(folder: Path, shown: str, checkpoint: str | None, model_fn: ModelFn | None,
@@ -288,13 +337,8 @@ def load_exported(folder: Path, model_fn: ModelFn | None = None) -> TrainedModel
         if not base_path:
             raise ValueError(f"export '{folder}' holds LoRA adapters of a model that is not a "
                              "transformers one: sample its run folder, or export it with --merge")
-        from elastic_train.training.basehash import weight_files
-
-        if not weight_files(Path(base_path).expanduser()):
-            raise ValueError(f"export '{folder}' holds LoRA adapters of the base '{base_path}', "
-                             "which has no weights (the run built it from its config and seed): "
-                             "sample the run folder, or its export with --merge")
-        base = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True)
+        base = AutoModelForCausalLM.from_pretrained(_adapter_base(folder, base_path),
+                                                    local_files_only=True)
         model = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
@@ -303,6 +347,44 @@ def load_exported(folder: Path, model_fn: ModelFn | None = None) -> TrainedModel
     has_tokenizer = any((folder / name).is_file() for name in ("tokenizer.json",
                                                                   "tokenizer_config.json"))
     return TrainedModel(model.eval(), cfg, folder, load_tokenizer(folder if has_tokenizer else None))
+
+
+def _adapter_base(folder: Path, base_path: str) -> Path:
+    """The local folder of the base an adapter export names (adapter_config.json's
+    base_model_name_or_path), refused by name (ValueError) when it is a URI, is not found, has
+    no weights, or holds other weights than the adapters trained on: the hash in
+    `BASE_HASH_FILE` (an older export has none: not checked), computed as the run did
+    (basehash.folder_hash) and refused in the run's own words (lora.another_base_error)."""
+    from elastic_train.training.basehash import folder_hash, weight_files
+
+    named = f"export '{folder}' holds LoRA adapters of the base '{base_path}'"
+    fix = "set base_model_name_or_path in its adapter_config.json to the base's local folder"
+    if "://" in base_path:
+        raise ValueError(f"{named}, a URI, which cannot be loaded here (a base is loaded from a "
+                         f"local folder): copy the base to one and {fix}")
+    base = Path(base_path).expanduser()
+    if not base.is_dir():
+        raise ValueError(f"{named}, a folder that is not found: put the base back there, or {fix}")
+    if not weight_files(base):
+        raise ValueError(f"{named}, which has no weights (the run built it from its config and "
+                         "seed): sample the run folder, or its export with --merge")
+    recorded = _recorded_base_hash(folder)
+    ours = folder_hash(base) if recorded is not None else None
+    if ours is not None and ours != recorded:
+        raise another_base_error(recorded, ours, whose=f"export '{folder}': its",
+                                 fix=f"put the base they trained on back at '{base_path}', or {fix}")
+    return base
+
+
+def _recorded_base_hash(folder: Path) -> bytes | None:
+    """The base hash an adapter export recorded (`BASE_HASH_FILE`), None without the file."""
+    path = folder / BASE_HASH_FILE
+    if not path.is_file():
+        return None
+    try:
+        return bytes.fromhex(json.loads(path.read_text())[BASE_KEY])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"export '{folder}': {BASE_HASH_FILE} is not readable ({exc})") from None
 
 
 def _unquantised(model_cfg: ModelConfig) -> ModelConfig:
@@ -320,11 +402,10 @@ def export(run_folder: str | os.PathLike, output: str | os.PathLike, checkpoint:
     """Write the trained model of `run_folder` to `output` (see the module docstring)."""
     out, scratch, made = _claim_output(output)
     try:
-        trained = load_trained(run_folder, checkpoint, model_fn, say)
+        # with merge, a source without adapters is refused before its model loads; an adapter
+        # export loads merged already (load_exported)
+        trained = load_trained(run_folder, checkpoint, model_fn, say, needs_adapters=merge)
         lora = isinstance(trained.model, LoraModel)
-        if merge and not lora:
-            raise ValueError(f"--merge: run '{run_folder}' trained no LoRA adapters (model.lora.r "
-                             "is 0): its export is the whole model already")
         if lora and not merge and trained.config.model.name != "hf":
             say(f"note: LoRA adapters of model.name={trained.config.model.name} load onto no "
                 "transformers base: exporting them merged into the model")
@@ -356,6 +437,9 @@ def _claim_output(output: str | os.PathLike) -> tuple[Path, Path, Path | None]:
     to write (a link's target: the link stays), the scratch folder, and the first folder above
     it that this made (None: none), removed again if the export fails."""
     shown = f"output '{output}'"
+    if "://" in os.fspath(output):  # realpath would make it a local folder named 's3:'
+        raise ValueError(f"{shown} is a URI: exports are written to a local folder; export to "
+                         "one and copy it up after")
     out = Path(os.path.realpath(os.path.expanduser(output)))
     if Path.cwd().resolve().is_relative_to(out):
         raise ValueError(f"{shown}: it is the current folder or holds it: name a new folder")
@@ -423,12 +507,18 @@ def _open_to_umask(folder: Path) -> None:
 
 
 def _write_adapters(trained: TrainedModel, folder: Path) -> None:
-    """A LoRA run's adapters as peft saves them, model.path named as their base, and the
-    tokenizer beside them."""
+    """A LoRA run's adapters as peft saves them, model.path named as their base, the base's hash
+    beside them (`BASE_HASH_FILE`: loading the export checks the base against it, as a resume
+    does; peft's files carry none), and the tokenizer."""
     peft_model = trained.model.peft
     for settings in peft_model.peft_config.values():
         settings.base_model_name_or_path = trained.config.model.path
     peft_model.save_pretrained(str(folder), safe_serialization=True)
+    digest = bytes(getattr(trained.model, BASE_KEY).tolist())  # checked against the base on load
+    (folder / BASE_HASH_FILE).write_text(json.dumps({
+        BASE_KEY: digest.hex(), "base_model_name_or_path": trained.config.model.path,
+        "of": "the base's weights as stored in its folder (elastic_train.training.basehash)"},
+        indent=2) + "\n")
     if trained.tokenizer.kind == "hf":
         trained.tokenizer.save_for_transformers(folder)
 
@@ -439,6 +529,7 @@ def _write_export(trained: TrainedModel, folder: Path) -> None:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # "Writing model shards": export's line alone
+        _ready_to_generate(trained.model, trained.config.model.path)
         trained.model.save_pretrained(folder, safe_serialization=True)
         if tok.kind == "hf":
             tok.save_for_transformers(folder)
@@ -451,6 +542,24 @@ def _write_export(trained: TrainedModel, folder: Path) -> None:
     (folder / "config.yaml").write_text(trained.config.to_yaml())
     if tok.kind == "hf":
         tok.save(folder / "tokenizer")
+
+
+def _ready_to_generate(model: nn.Module, base_path: str | None) -> None:
+    """The transformers model's configs as generation wants them: the KV cache on (training
+    turned it off, hf.load_hf_config, and the generation config derived from that config copied
+    it: generate would recompute every position for every token), and the base's own
+    generation_config.json (its end-of-text ids, sampling defaults) where model.path has one,
+    not one derived from config.json: the model was built from its config (`from_config`)."""
+    from transformers import GenerationConfig
+
+    from elastic_train.training.hf import local_model_folder
+
+    model.config.use_cache = True
+    folder = local_model_folder(str(base_path)) if base_path else None
+    if folder is not None and (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.use_cache = True
 
 
 @torch.no_grad()

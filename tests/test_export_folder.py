@@ -192,7 +192,7 @@ def test_export_and_sample_name_the_checkpoint_and_warn_when_the_best_is_gone(
     assert any("checkpoint_000000001 (step 1" in line for line in err)
 
 
-@pytest.mark.parametrize("kind", ["under-a-file", "dot", "name-too-long", "existing-file"])
+@pytest.mark.parametrize("kind", ["under-a-file", "dot", "name-too-long", "existing-file", "uri"])
 def test_a_bad_output_is_one_error_line_before_anything_loads(kind, tmp_path, capsys, monkeypatch):
     from elastic_train import export
 
@@ -204,7 +204,8 @@ def test_a_bad_output_is_one_error_line_before_anything_loads(kind, tmp_path, ca
     monkeypatch.chdir(cwd)
     output = {"under-a-file": str(tmp_path / "file" / "out"), "dot": ".",
               "name-too-long": str(tmp_path / ("x" * 300) / "out"),
-              "existing-file": str(tmp_path / "file")}[kind]
+              "existing-file": str(tmp_path / "file"),
+              "uri": "s3://bucket/x"}[kind]  # was written to a local folder ./s3:/bucket/x
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the output was checked")

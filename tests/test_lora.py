@@ -182,12 +182,44 @@ def test_no_targets_on_a_model_peft_has_no_default_for_names_the_layers_it_could
     """The embedded GPT is no transformers model type: with target_modules empty the error
     lists its Linear layers by the names target_modules takes, and those names work."""
     with pytest.raises(ValueError, match=r"model\.lora\.target_modules is empty.*Linear layers: "
-                       r"qkv, proj, mlp\.0, mlp\.2, lm_head\)$"):
+                       r"qkv, proj, mlp\.0, mlp\.2\)$"):  # not lm_head: tied to wte
         build_model(load_config(None, ["model.lora.r=2"]).model, 32)
     cfg = load_config(None, ["model.lora.r=2", "model.lora.target_modules=[mlp.0, mlp.2]"])
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in build_model(cfg.model, 32).named_parameters()
                if ".lora_A." in n}
     assert adapted and all(n.endswith(("mlp.0", "mlp.2")) for n in adapted)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hf"])
+def test_a_target_whose_weight_is_tied_is_refused_before_ray(kind, llama_folder, tmp_path):
+    """The GPT's lm_head is its wte, a tied Llama's lm_head its embed_tokens: merged, the
+    adapters' update would land in the input embedding too. The driver's meta build (what
+    check_inputs runs) refuses it in one line naming the key, the module, what it is tied to
+    and what to do; an untied Llama's lm_head is a target like any other."""
+    from transformers import LlamaConfig
+
+    from elastic_train.preflight.inputs import meta_model
+
+    tied = {"gpt": ("wte.weight", ["model.vocab_size=256"]),
+            "hf": ("model.embed_tokens.weight", ["model.name=hf", f"model.path={llama_folder}"])}
+    other, overrides = tied[kind]
+    cfg = load_config(None, [*overrides, "model.lora.r=2", "model.lora.target_modules=[lm_head]",
+                             "data.max_seq_len=32"])
+    with pytest.raises(ConfigError) as refused:
+        meta_model(cfg)
+    message = str(refused.value)
+    assert message.startswith(f"model.lora.target_modules: lm_head's weight is tied to {other}")
+    assert "leave lm_head out of model.lora.target_modules" in message and "\n" not in message
+    assert ("tie_word_embeddings=false" in message) == (kind == "hf")
+    with pytest.raises(ConfigError, match="is tied to"):
+        build_model(cfg.model, 32)  # a worker's build too
+    untied = tmp_path / "untied"
+    LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                tie_word_embeddings=False).save_pretrained(untied)
+    model = meta_model(load_config(None, ["model.name=hf", f"model.path={untied}", "model.lora.r=2",
+                                          "model.lora.target_modules=[lm_head]"]))
+    assert any("lm_head.lora_A" in n for n, _ in model.named_parameters())
 
 
 def test_a_resume_on_another_base_is_refused_before_ray_and_changes_nothing(

@@ -116,10 +116,7 @@ class LoraModel(nn.Module):
         ours = getattr(self, BASE_KEY)
         if saved is not None and not torch.equal(saved.to(ours.device, ours.dtype), ours):
             # ConfigError: a restart would fail the same way, so the run stops with this reason
-            raise ConfigError(
-                "the checkpoint's LoRA adapters were trained on another base model (base sha256 "
-                f"{bytes(saved.tolist()).hex()[:16]}..., this one's {bytes(ours.tolist()).hex()[:16]}"
-                "...): resume on the base model.path it was trained on")
+            raise another_base_error(bytes(saved.tolist()), bytes(ours.tolist()))
         missing, unexpected = super().load_state_dict(state_dict, strict=False, assign=assign)
         missing = [name for name in missing if name in self._kept()]
         if strict and (missing or unexpected):
@@ -128,11 +125,20 @@ class LoraModel(nn.Module):
         return missing, unexpected
 
 
+def another_base_error(saved: bytes, ours: bytes, whose: str = "the checkpoint's",
+                       fix: str = "resume on the base model.path it was trained on") -> ConfigError:
+    """The one line that refuses adapters whose recorded base hash (`saved`) is not the hash of
+    the base they would load onto (`ours`): a run's checkpoint, or an adapter export's
+    (export.py, `BASE_HASH_FILE`)."""
+    return ConfigError(f"{whose} LoRA adapters were trained on another base model (base sha256 "
+                       f"{saved.hex()[:16]}..., this one's {ours.hex()[:16]}...): {fix}")
+
+
 def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> LoraModel:
     """`model` frozen (hashed, then cast to `model.base_dtype`, or prepared for k-bit training
     when QLoRA loaded it in 4 bits) with LoRA adapters of `model.lora` on it. ValueError naming
-    the key for a missing peft, no module matching `target_modules`, or QLoRA without a GPU or
-    without weights to quantise."""
+    the key for a missing peft, no module matching `target_modules`, a target whose weight is
+    tied to another parameter, or QLoRA without a GPU or without weights to quantise."""
     peft = require_peft()
     lora = model_cfg.lora
     on_meta = any(p.is_meta for p in model.parameters())  # the driver's shape check
@@ -159,6 +165,7 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> LoraModel:
             "defaults for the transformers model types it knows): name the modules to adapt, "
             f"e.g. model.lora.target_modules='[{', '.join(names[:2])}]' (this model's Linear "
             f"layers: {', '.join(names)})") from None
+    check_untied_targets(wrapped, model_cfg)
     for _, p in wrapped.named_parameters():  # adapters in fp32 whatever the base's dtype
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
@@ -168,13 +175,56 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> LoraModel:
     return LoraModel(wrapped, digest, transformers_call)
 
 
+def tied_target(peft_model: nn.Module) -> tuple[str, str] | None:
+    """(a module LoRA adapts whose weight is the same tensor as another parameter, that
+    parameter's name), or None. Such a weight is shared: the embedded GPT's head is its input
+    embedding (model.py), as is a transformers model's with `tie_word_embeddings`. Training
+    adapts only one use of it, but merging (peft's `merge_and_unload`, export --merge) writes
+    W + BA into the shared tensor, so the other use changes too: the merged model is not the
+    trained one."""
+    from peft.tuners.lora import LoraLayer
+
+    prefix = "base_model.model."
+    names: dict[int, list[str]] = {}
+    for name, p in peft_model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name.removeprefix(prefix))
+    for name, module in peft_model.named_modules():
+        weight = getattr(getattr(module, "base_layer", None), "weight", None)
+        if isinstance(module, LoraLayer) and isinstance(weight, nn.Parameter):
+            short = name.removeprefix(prefix)
+            others = [n for n in names.get(id(weight), []) if not n.startswith(f"{short}.")]
+            if others:
+                return short, others[0]
+    return None
+
+
+def check_untied_targets(peft_model: nn.Module, model_cfg: ModelConfig) -> None:
+    """ConfigError naming model.lora.target_modules when a module it adapts has a tied weight
+    (`tied_target`). Runs in every build, so on the driver's meta build too (check_inputs),
+    before Ray starts."""
+    tied = tied_target(peft_model)
+    if tied is None:
+        return
+    module, other = tied
+    untie = (" (or, to adapt it, point model.path at a config.json with "
+             "tie_word_embeddings=false)" if model_cfg.name == "hf" else "")
+    raise ConfigError(
+        f"model.lora.target_modules: {module}'s weight is tied to {other} (one tensor): merging "
+        f"the adapters (export --merge) would add their update to {other} as well and change "
+        f"the model; leave {module} out of model.lora.target_modules{untie}")
+
+
 def linear_names(model: nn.Module) -> list[str]:
     """The names `target_modules` can give this model's Linear layers, in model order, each
     once: the last component of each Linear's name, or the last two where the last is a number
-    (`mlp.0`)."""
+    (`mlp.0`). A Linear whose weight is tied to another parameter is left out: it cannot be a
+    target (`check_untied_targets`)."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
     names: list[str] = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and uses.get(id(module.weight), 0) == 1:
             parts = name.split(".")
             short = ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]
             if short not in names:
