@@ -69,7 +69,8 @@ def init_ray(cfg: Config) -> bool:
         return False
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        join_cluster(address, "run.address" if cfg.run.address else "RAY_ADDRESS",
+                     log_to_driver=True)
         _check_cluster_gpus(cfg)
         return False
     workers_cpus = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
@@ -78,6 +79,29 @@ def init_ray(cfg: Config) -> bool:
     start_local_ray({"PYTHONPATH": driver_pythonpath()}, num_cpus=num_cpus,
                     include_dashboard=cfg.run.dashboard, dashboard_host="127.0.0.1")
     return True
+
+
+def join_cluster(address: str, key: str, **init_kwargs) -> None:
+    """ray.init of the cluster at `address` (given by `key`), or one ConfigError line naming
+    `key`: where no process listens at the address's host and port, at once (ray.init would
+    retry for minutes, then raise a traceback), and where Ray refuses to join (no cluster at
+    "auto"; a token cluster without RAY_AUTH_TOKEN, docs/operations.md)."""
+    from ray.exceptions import AuthenticationError
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if host and port.isdigit():
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as exc:
+            raise ConfigError(
+                f"{key}: no Ray cluster answers at {address} ({exc.strerror or exc}): start one "
+                f"there (ray start --head), or leave {key} unset to start a local one") from None
+    try:
+        ray.init(address=address, **init_kwargs)
+    except (ConnectionError, AuthenticationError) as exc:
+        ray.shutdown()
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ConfigError(f"{key}: cannot join the Ray cluster at {address}: {first}") from None
 
 
 def start_local_ray(environ: dict[str, str], **init_kwargs) -> None:

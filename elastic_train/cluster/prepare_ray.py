@@ -287,7 +287,9 @@ def _ray_cluster(num_cpus: int | None) -> Iterator[int]:
 
     started = not ray.is_initialized()
     if started and os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        from elastic_train.cluster.driver import join_cluster
+
+        join_cluster(os.environ["RAY_ADDRESS"], "RAY_ADDRESS", log_to_driver=False)
     elif started:
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1,
                  include_dashboard=False, log_to_driver=False)
