@@ -100,3 +100,43 @@ def test_the_ray_seams_the_hold_is_plugged_into_are_there():
     assert type(policy) is ElasticScalingPolicy
     assert "_latest_monitor_time" in vars(policy)  # reset by CheckpointBeforeGrow while it holds
     assert issubclass(CheckpointBeforeGrow, type(policy))
+
+
+def test_a_request_read_at_the_step_that_ends_an_epoch_is_saved_for_at_the_next(small_dataset):
+    """The loop reads the checkpoint request at every step's all-reduce, the empty one that ends
+    an epoch included, and rank 0 has taken the request then (a grow's ticket, a drain notice
+    marked seen): that step ends the epoch without saving, so the next step saves and commits
+    for it. (It was dropped: the grow waited its 120 s and restarted from an older checkpoint.)"""
+    from conftest import TINY
+    from localenv import LocalEnv, train_locally
+
+    from elastic_train.config import load_config
+
+    class AskAtTheEpochsEnd(LocalEnv):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.began: list[int] = []
+            self.committed: list[int] = []
+            self.saved: list[int] = []
+
+        def step_began(self, step: int) -> None:
+            self.began.append(step)
+
+        def checkpoint_requested(self) -> bool:  # once: when step ask_at is first begun
+            return self.began[-1:] == [self.ask_at] and self.began.count(self.ask_at) == 1
+
+        def save_checkpoint(self, snap, step: int, final: bool) -> None:
+            super().save_checkpoint(snap, step, final)
+            self.saved.append(step)
+
+        def checkpoint_committed(self, step: int) -> None:
+            self.committed.append(step)
+
+    cfg = load_config(None, [*TINY, f"data.path={small_dataset}", "train.epochs=2",
+                             "train.max_steps=1000", "checkpoint.every_steps=0"])
+    plain = train_locally(cfg)
+    epoch_end = max(r["step"] for r in plain.steps if r["epoch"] == 0)
+    AskAtTheEpochsEnd.ask_at = epoch_end + 1  # the empty step is begun as step epoch_end + 1
+    env = train_locally(cfg, env_cls=AskAtTheEpochsEnd)
+    assert env.began.count(epoch_end + 1) == 2  # the empty step, then the first of epoch 1
+    assert env.committed == [epoch_end + 1] and epoch_end + 1 in env.saved

@@ -156,6 +156,9 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     previous: tuple[float, float] | None = None  # this rank's (busy, data wait) of its last step
     tail_s = 0.0  # the last step's time after its record (the record's call, fault hooks)
     profiler = StepProfiler(cfg.log.profile_steps if rank == 0 else [], env.device)
+    # a checkpoint request read at the empty step that ends an epoch: rank 0 has taken it (a
+    # grow's, a drain's), so the next step saves for it
+    carried = 0.0
     while state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
         if rank == 0:
             _log_epoch_plan(env, cfg, state.epoch)
@@ -177,7 +180,9 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                      *rank_slots(world_size, rank, *(previous or (0.0, 0.0)))],
                     env.device,
                 )
+                requested, carried = requested or carried, 0.0  # the same on every rank
                 if n_mb == 0:  # every rank's partitions are exhausted: the epoch is over
+                    carried = requested
                     marked.__exit__(None, None, None)
                     state.epoch, state.step_in_epoch, state.cursors = state.epoch + 1, 0, {}
                     env.step_ended(None)
