@@ -918,6 +918,16 @@ def test_a_resume_keeps_the_batch_sizes_its_run_derived(tmp_path, held_out_datas
     check_inputs(resumed)
     assert (resumed.data.micro_batch_tokens, resumed.data.global_batch_tokens) == (
         saved["micro_batch_tokens"], saved["global_batch_tokens"])
+    # on GPU workers with the step set: the micro-batch is still left to the data, so the resume
+    # on fewer workers keeps the checkpoint's (it was derived from max_workers as the config
+    # loaded, looked set, and the resume was refused naming data.micro_batch_tokens)
+    from elastic_train.preflight.resume import keep_batch_sizes
+
+    gpu = load_config(None, [*common, "run.name=r", "scaling.use_gpu=true", "scaling.min_workers=1",
+                             "scaling.max_workers=1",
+                             f"data.global_batch_tokens={saved['global_batch_tokens']}"])
+    keep_batch_sizes(gpu)
+    assert gpu.data.micro_batch_tokens == saved["micro_batch_tokens"]
 
 
 @pytest.mark.unit

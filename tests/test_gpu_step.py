@@ -76,7 +76,7 @@ def test_gpu_workers_get_device_defaults_and_cpu_workers_keep_theirs():
     gpu = load_config(None, ["scaling.use_gpu=true", "scaling.min_workers=1", "scaling.max_workers=1",
                              "data.global_batch_tokens=65536"])
     assert (gpu.train.precision, gpu.data.micro_batch_tokens, gpu.scaling.cpus_per_worker,
-            gpu.data.pad_multiple) == ("bf16", 16384, 4.0, 64)
+            gpu.data.pad_multiple) == ("bf16", None, 4.0, 64)  # the micro-batch: with the data
     mine = load_config(None, ["scaling.use_gpu=true", "train.precision=fp32", "data.micro_batch_tokens=4096"])
     assert (mine.train.precision, mine.data.micro_batch_tokens) == ("fp32", 4096)
 

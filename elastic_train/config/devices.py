@@ -1,8 +1,9 @@
 """Defaults that depend on the device: what a user who set none gets on GPU workers.
 
-Four keys default to None ("auto") and are settled here, from the config alone (no cluster, no
-torch), as the config loads, so the checks, the workers and the saved config.yaml all see the
-value that ran. On CPU workers they are what they always were; on GPU workers:
+Four keys default to None ("auto") and are settled from the config alone (no cluster, no torch),
+three of them here as the config loads, the micro-batch with the data set (preflight/inputs.py),
+so the checks, the workers and the saved config.yaml all see the value that ran. On CPU workers
+they are what they always were; on GPU workers:
 - `train.precision`: bf16 (autocast; fp32 weights, gradients and optimizer state). fp32 matmuls
   leave most of a GPU's tensor cores idle. A GPU without bf16 (before Ampere) wants fp16: set it.
 - `data.micro_batch_tokens`: the largest divisor of the global batch up to 16384 tokens that
@@ -39,12 +40,11 @@ def resolve_device_defaults(cfg: Any) -> None:
     gpu = bool(cfg.scaling.use_gpu)
     if cfg.train.precision == "auto":
         cfg.train.precision = "bf16" if gpu else "fp32"
-    # unset, it follows from the data set once it is known (preflight/inputs.py
-    # fill_batch_tokens: on CPU the longest row and the data's size within the step; on GPU the
-    # rule below, applied here already when the step is set)
-    if cfg.data.micro_batch_tokens is None and cfg.data.global_batch_tokens is not None and gpu:
-        cfg.data.micro_batch_tokens = gpu_micro_batch_tokens(
-            cfg.data.global_batch_tokens, cfg.scaling.max_workers, cfg.data.max_seq_len)
+    # data.micro_batch_tokens, unset, follows from the data set once it is known, after a
+    # resume took its checkpoint's (preflight/inputs.py fill_batch_tokens: on CPU the longest row
+    # and the data's size within the step; on GPU `gpu_micro_batch_tokens`). Not here: derived
+    # from scaling.max_workers as the config loads, it looked set, and a resume on fewer workers
+    # was refused for a micro-batch the user never set
     if cfg.data.pad_multiple is None:
         cfg.data.pad_multiple = GPU_PAD_MULTIPLE if gpu else 1
     if cfg.scaling.cpus_per_worker is None:
