@@ -375,7 +375,14 @@ def test_crash_shrink_grow_and_drain_in_series_end_on_the_uninterrupted_run(
     assert grow_saved == join["step"] + 1
     assert 0 < crash["committed_step"] and resumed[1] < lose["committed_step"] \
         and resumed[2] < join["committed_step"] and resumed[3] < drained["committed_step"]
-    assert (s["restarts"], s["resumes"]) == (4, 0)
+    # the grow replaced a group no failure ended: a resize (one of the restarts), and its
+    # attempt has its end (it had none) with the step it reached
+    assert (s["restarts"], s["resumes"], s["resizes"]) == (4, 0, 1)
+    entries = json.loads((Path(result.run_dir) / "attempts.json").read_text())
+    assert [a["cause"] for a in entries] == ["start", "restart", "restart", "resize", "restart"]
+    assert [a["end"]["cause"] == "resize" for a in entries] == [False, False, True, False, False]
+    assert entries[2]["end"]["step"] == last[attempts[2]]["step"], entries[2]
+    assert all("end" in a for a in entries)
     assert s["replayed_steps"] == sum(last[a]["step"] - resumed[i + 1] for i, a in enumerate(attempts[:-1]))
 
     # the drain: a checkpoint on the notice, the last one just before the deadline, a few steps lost

@@ -108,7 +108,8 @@ def test_a_remote_run_folder_is_uploaded_by_one_call_at_a_time_and_a_failed_uplo
 def test_a_failure_recorded_late_ends_the_attempt_it_ended_not_the_restart(tmp_path):
     """The failure policy waits 5 s for record_failure, then the controller restarts the group
     anyway: a record that comes after the restart's attempt began ends the attempt that was
-    running when the failure was seen, and leaves the new one running."""
+    running when the failure was seen (in place of the resize its end was taken for), makes
+    the new one a restart, and leaves it running."""
     log = RunLogClass(str(tmp_path / "run"))
     log.begin_attempt(2)
     log.log_step(step_record(7))
@@ -119,9 +120,32 @@ def test_a_failure_recorded_late_ends_the_attempt_it_ended_not_the_restart(tmp_p
 
     attempts = json.loads((tmp_path / "run" / "attempts.json").read_text())
     assert attempts[0]["end"]["cause"] == "its process died" and attempts[0]["end"]["rank"] == 1
-    assert "end" not in attempts[1]
+    assert attempts[0]["end"]["step"] == 7
+    assert "end" not in attempts[1] and attempts[1]["cause"] == "restart"  # not a resize
     event = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()][-1]
     assert (event["event"], event["attempt"]) == ("failure", 0)
+
+
+def test_a_group_replaced_with_no_failure_is_a_resize_with_an_end(tmp_path):
+    """Ray Train's scaling policy replaces a group no failure ended (a grow): the attempt it
+    ended gets its `end` (cause resize, the step it reached: it had none), the next one begins
+    as a resize, which summary.json counts among its restarts and apart as a resize. A failure
+    later still ends its own attempt as one."""
+    from elastic_train.observe.summary import attempt_counts
+
+    log = RunLogClass(str(tmp_path / "run"))
+    log.begin_attempt(1)
+    log.log_step(step_record(5))
+    log.begin_attempt(2)  # the grow
+    log.log_step(step_record(9, attempt=1))
+    seen = time.time()
+    log.record_failure({"time": seen, "kind": "died", "cause": "its process died", "rank": 0})
+    log.begin_attempt(1)
+    attempts = json.loads((tmp_path / "run" / "attempts.json").read_text())
+    assert [a["cause"] for a in attempts] == ["start", "resize", "restart"]
+    assert (attempts[0]["end"]["cause"], attempts[0]["end"]["step"]) == ("resize", 5)
+    assert (attempts[1]["end"]["cause"], attempts[1]["end"]["step"]) == ("its process died", 9)
+    assert attempt_counts(attempts) == {"restarts": 2, "resumes": 0, "resizes": 1}
 
 
 def test_a_fault_is_claimed_once_by_callers_at_once(tmp_path):

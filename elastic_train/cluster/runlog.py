@@ -99,6 +99,13 @@ class RunLog:
     def _begin_attempt(self, world_size: int) -> int:
         self.accept()
         cause = "start" if not self.attempts else "restart" if self.session_attempts else "resume"
+        before = self.attempts[-1] if self.session_attempts else None
+        if before is not None and "end" not in before:
+            # no failure ended it: Ray Train's scaling policy replaced the group (a grow). A
+            # failure reported late (its caller's call came after the new group began) turns
+            # both back into a failure and a restart (`record_failure`)
+            cause = "resize"
+            self._end_attempt({"cause": "resize", **self._reached(before)}, before)
         self.session_attempts += 1
         self.attempts.append({"attempt": len(self.attempts), "world_size": world_size,
                               "start_time": time.time(), "cause": cause, "session": self.session})
@@ -207,16 +214,34 @@ class RunLog:
             # it (a call that came late, after the controller restarted the group anyway: its
             # caller waits 5 s, finds the restart's attempt begun after it)
             failed = next((a for a in reversed(self.attempts) if a["start_time"] <= record["time"]), None)
-            if (failed is not None and failed.get("session") == self.session and "end" not in failed
+            # an end taken for a resize when the next group began: this failure ended it
+            resized = failed is not None and failed.get("end", {}).get("cause") == "resize"
+            if (failed is not None and failed.get("session") == self.session
+                    and ("end" not in failed or resized)
                     and record["kind"] not in ("start", "start_timeout")):
                 record["attempt"] = failed["attempt"]
                 latest = self.latest if self.latest and self.latest["attempt"] == failed["attempt"] else None
                 record["step"] = latest["step"] if latest else None
                 if not record.get("in_place"):
+                    if resized:
+                        del failed["end"]
+                        after = failed["attempt"] + 1
+                        if after < len(self.attempts) and self.attempts[after]["cause"] == "resize":
+                            self.attempts[after]["cause"] = "restart"
                     self._end_attempt({k: record.get(k) for k in ("cause", "rank", "node", "step",
                                                                   "committed_step")}, failed)
         self.failures.append(record)
         self.log_event({"event": "failure", **record})
+
+    def _reached(self, attempt: dict[str, Any]) -> dict[str, Any]:
+        """The step `attempt` got to (its last record; None without one) and the last committed
+        step (None while Ray rewrites the snapshot)."""
+        latest = self.latest if self.latest and self.latest["attempt"] == attempt["attempt"] else None
+        try:
+            committed = committed_step(self.folder.fs, self.folder.remote_path)
+        except Exception:  # noqa: BLE001 - a snapshot Ray is rewriting
+            committed = None
+        return {"step": latest["step"] if latest else None, "committed_step": committed}
 
     def end_attempt(self, end: dict[str, Any]) -> None:
         """The current attempt ended (a failure, or the run's end: finished, stopped)."""

@@ -247,11 +247,15 @@ def _ended_by(steps: int, epoch: int, evals: list[dict], max_steps: int, epochs:
 
 
 def attempt_counts(attempts: list[dict]) -> dict[str, int]:
-    """`restarts`: attempts begun after a failure; `resumes`: attempts begun by a new driver
-    (the user ran the run again). attempts.json written before attempts had a `cause`: every
-    attempt but the first was a restart."""
+    """`restarts`: attempts the group restarted into, after a failure or a resize (metrics.jsonl's
+    `attempt` counts them); `resizes`: those of them Ray Train's scaling policy began, replacing
+    a group no failure ended (a grow); `resumes`: attempts begun by a new driver (the user ran
+    the run again). attempts.json written before attempts had a `cause`: every attempt but the
+    first was a restart."""
     causes = [a.get("cause", "start" if i == 0 else "restart") for i, a in enumerate(attempts)]
-    return {"restarts": causes.count("restart"), "resumes": causes.count("resume")}
+    resizes = causes.count("resize")
+    return {"restarts": causes.count("restart") + resizes, "resumes": causes.count("resume"),
+            "resizes": resizes}
 
 
 def reduce_figures(events: list[dict]) -> dict:
