@@ -288,3 +288,19 @@ def test_a_remote_resume_uploads_only_its_own_files_not_the_workers_it_found(mon
     assert read_pointer(store, run)["step"] == 80
     assert get(f"{CACHE_SUBFOLDER}/torch-x/rank-0.bin") == "second fit"
     assert [json.loads(x)["step"] for x in get("metrics.jsonl").splitlines()] == [40, 81]
+
+
+def test_an_in_place_attempt_the_group_did_not_outlive_ends_with_its_failure(tmp_path):
+    """In place a failure leaves the attempt running (a replacement joins it); when Ray then
+    begins another group, the attempt ends with that failure and the next is a restart, not a
+    resize."""
+    log = RunLogClass(str(tmp_path / "run"))
+    log.begin_group_attempt("a", 2)
+    log.log_step(step_record(4))
+    log.record_failure({"time": time.time(), "kind": "died", "cause": "its process died",
+                        "rank": 1, "in_place": True})
+    assert "end" not in json.loads((tmp_path / "run" / "attempts.json").read_text())[0]
+    log.begin_group_attempt("b", 2)
+    attempts = json.loads((tmp_path / "run" / "attempts.json").read_text())
+    assert [a["cause"] for a in attempts] == ["start", "restart"]
+    assert (attempts[0]["end"]["cause"], attempts[0]["end"]["step"]) == ("its process died", 4)

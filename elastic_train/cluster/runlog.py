@@ -101,11 +101,16 @@ class RunLog:
         cause = "start" if not self.attempts else "restart" if self.session_attempts else "resume"
         before = self.attempts[-1] if self.session_attempts else None
         if before is not None and "end" not in before:
-            # no failure ended it: Ray Train's scaling policy replaced the group (a grow). A
-            # failure reported late (its caller's call came after the new group began) turns
-            # both back into a failure and a restart (`record_failure`)
-            cause = "resize"
-            self._end_attempt({"cause": "resize", **self._reached(before)}, before)
+            failed = next((f for f in reversed(self.failures)
+                           if f.get("attempt") == before["attempt"]), None)
+            if failed is not None:  # in place: a failure of its own that the group did not outlive
+                self._end_attempt({k: failed.get(k) for k in ("cause", "rank", "node", "step",
+                                                              "committed_step")}, before)
+            else:  # no failure ended it: Ray Train's scaling policy replaced the group (a grow).
+                # A failure reported late (its caller's call came after the new group began)
+                # turns both back into a failure and a restart (`record_failure`)
+                cause = "resize"
+                self._end_attempt({"cause": "resize", **self._reached(before)}, before)
         self.session_attempts += 1
         self.attempts.append({"attempt": len(self.attempts), "world_size": world_size,
                               "start_time": time.time(), "cause": cause, "session": self.session})
