@@ -995,3 +995,23 @@ def test_a_cluster_that_does_not_answer_is_one_error_line_at_once(tmp_path, good
     assert code == 2 and err[-1].startswith("error: RAY_ADDRESS: no Ray cluster answers at"), err
     assert time.monotonic() - t0 < 60
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.unit
+def test_a_resume_on_another_evaluation_set_says_the_best_was_measured_on_the_other():
+    """eval.max_batches (or eval.path, eval.fraction) other than the checkpoint's, with a best
+    so far: one line naming the change and the best; the same set, or no best yet, nothing."""
+    from elastic_train.config import load_config
+    from elastic_train.preflight.resume import eval_change_note
+
+    cfg = load_config(None, [*TINY, "run.name=r", "eval.max_batches=4"])
+    saved = load_config(None, [*TINY, "eval.max_batches=1"]).to_dict()
+    state = {"config": saved, "train_state": {"step": 30, "best_eval_loss": 2.5, "best_step": 20}}
+    assert eval_change_note(cfg, state) == (
+        "run r: resuming with another evaluation set (eval.max_batches 1 -> 4): the best so far "
+        "(eval loss 2.5 at step 20) was measured on the other one, and the best checkpoint and "
+        "summary.json's best_* compare losses of both; to compare like with like, resume with "
+        "the checkpoint's eval settings")
+    same = load_config(None, [*TINY, "run.name=r", "eval.max_batches=1"])
+    assert eval_change_note(same, state) is None
+    assert eval_change_note(cfg, {"config": saved, "train_state": {"step": 30}}) is None

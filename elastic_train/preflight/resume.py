@@ -60,10 +60,33 @@ def check_resumable(cfg: Config, ours: dict[str, list[int]],
     if info is not None:
         _check_same_data(cfg, info, state, fs, folder, name)
     _check_same_base(cfg, fs, f"{folder}/{name}", name)
-    note = lr_change_note(cfg, state)
-    if note:
-        logger.warning(note)
+    for note in (lr_change_note(cfg, state), eval_change_note(cfg, state)):
+        if note:
+            logger.warning(note)
     return state
+
+
+EVAL_SET_KEYS = ("path", "fraction", "max_batches")  # what the evaluation loss is measured on
+
+
+def eval_change_note(cfg: Config, state: dict[str, Any]) -> str | None:
+    """One line when the resume evaluates on another set than the checkpoint's run did (another
+    eval.path, eval.fraction or eval.max_batches) and the run has a best so far: its loss was
+    measured on the other set, and the best checkpoint and summary.json's best_* compare the
+    two as they are."""
+    saved = state.get("config", {}).get("eval")
+    best = state.get("train_state", {}).get("best_eval_loss")
+    if not isinstance(saved, dict) or best is None:
+        return None
+    changed = [f"eval.{key} {saved.get(key)!r} -> {getattr(cfg.eval, key)!r}"
+               for key in EVAL_SET_KEYS if key in saved and saved[key] != getattr(cfg.eval, key)]
+    if not changed:
+        return None
+    step = state["train_state"].get("best_step")
+    return (f"run {cfg.run.name}: resuming with another evaluation set ({', '.join(changed)}): the "
+            f"best so far (eval loss {best:.4g} at step {step}) was measured on the other one, and "
+            "the best checkpoint and summary.json's best_* compare losses of both; to compare like "
+            "with like, resume with the checkpoint's eval settings")
 
 
 def _newest_checkpoint(cfg: Config) -> tuple[pafs.FileSystem, str, str, dict[str, Any]] | None:
