@@ -104,6 +104,43 @@ def test_start_failures_are_told_apart_from_start_timeouts():
     assert failed.kind == "start" and failed.node == "10.0.0.9" and "did not start" in failed.cause
 
 
+class _Policy:
+    """BoundedFailurePolicy (Ray's default policy beneath it) with the RunLog's answer given:
+    the latest step and a worker's fatal reason. No Ray session."""
+
+    @staticmethod
+    def make(max_failures: int, state: dict):
+        from ray.train.v2.api.config import FailureConfig
+
+        from elastic_train.cluster.failures import BoundedFailurePolicy
+
+        class Policy(BoundedFailurePolicy):
+            def _run_state(self) -> dict:
+                return state
+
+        return Policy(FailureConfig(max_failures=max_failures), runlog=None)
+
+
+def test_a_start_timeout_between_repeats_of_a_failure_does_not_reset_their_count():
+    """X, timeout, X, timeout, X without a step: X three times in a row gives up (the timeouts
+    reset the count, so a failure that alternated with them was retried forever with
+    scaling.max_failures=-1); a worker's fatal reason gives up at the first failure."""
+    from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+
+    def start_failure():
+        return ControllerError(WorkerGroupStartupFailedError("a worker failed to start"))
+
+    policy = _Policy.make(-1, {"latest": (0, 7)})
+    decisions = []
+    for error in (start_failure(), ControllerError(WorkerGroupStartupTimeoutError(2)),
+                  start_failure(), ControllerError(WorkerGroupStartupTimeoutError(2)),
+                  start_failure()):
+        decisions.append(policy.make_decision(error))
+    assert decisions == [FailureDecision.RETRY] * 4 + [FailureDecision.RAISE]
+    fatal = _Policy.make(-1, {"latest": (0, 7), "fatal": "DataError: checkpoint ..."})
+    assert fatal.make_decision(start_failure()) == FailureDecision.RAISE
+
+
 def test_one_failure_line_says_who_where_what_and_how_it_goes_on():
     failure = {"attempt": 0, "rank": 1, "node": "10.0.0.7", "step": 15, "committed_step": 10,
                "cause": "its process died (SYSTEM_ERROR)", "decision": "retry", "repeats": 1}
@@ -112,6 +149,9 @@ def test_one_failure_line_says_who_where_what_and_how_it_goes_on():
         "resumed from the checkpoint of step 10 with 2 workers")
     final = {**failure, "decision": "give_up", "repeats": 3, "committed_step": None}
     assert failure_line(final, None).endswith("(3 times in a row without a step); giving up")
+    spent = {**failure, "decision": "give_up", "max_failures": 1}  # the restart budget used up
+    assert failure_line(spent, None).endswith(
+        "(no restart left: scaling.max_failures=1); giving up")
     assert "restarting from the start (no checkpoint)" in failure_line({**failure, "committed_step":
                                                                         None}, None)
     refused = {**failure, "cause": "DataError: checkpoint checkpoint_000000044: data partition 0 is "
@@ -140,9 +180,9 @@ def test_rays_failure_reports_stay_off_the_screen():
 
 def test_resumes_are_counted_apart_from_restarts():
     assert attempt_counts([{"cause": "start"}, {"cause": "restart"}, {"cause": "resume"},
-                           {"cause": "restart"}]) == {"restarts": 2, "resumes": 1}
-    assert attempt_counts([{}, {}, {}]) == {"restarts": 2, "resumes": 0}  # before causes were kept
-    assert attempt_counts([]) == {"restarts": 0, "resumes": 0}
+                           {"cause": "restart"}]) == {"restarts": 2, "resumes": 1, "resizes": 0}
+    assert attempt_counts([{}, {}, {}]) == {"restarts": 2, "resumes": 0, "resizes": 0}  # no causes kept
+    assert attempt_counts([]) == {"restarts": 0, "resumes": 0, "resizes": 0}
 
 
 def _files(root: Path) -> dict[str, bytes]:

@@ -168,26 +168,33 @@ class BoundedFailurePolicy(DefaultFailurePolicy):
         self._last: tuple[str, object] | None = None  # (signature, progress) of the last failure
         self.repeats = 0
 
-    def _progress(self) -> object:
+    def _run_state(self) -> dict:
+        """The RunLog's latest (attempt, step) and fatal reason; {} once it is gone."""
         try:
-            return ray.get(self.runlog.run_state.remote(), timeout=RUNLOG_CALL_TIMEOUT_S)["latest"]
+            return ray.get(self.runlog.run_state.remote(), timeout=RUNLOG_CALL_TIMEOUT_S)
         except Exception:  # the RunLog is gone: the run is ending anyway
-            return None
+            return {}
 
     def make_decision(self, training_failed_error) -> FailureDecision:
         failure = describe_failure(training_failed_error)
-        now = (failure.signature, self._progress())
-        counted = failure.kind != "start_timeout"  # the driver's StartWatch bounds those by time
-        self.repeats = self.repeats + 1 if counted and now == self._last else 1
-        self._last = now
-        if counted and self.repeats >= self.limit:
+        state = self._run_state()
+        # a start timeout is bounded by time (the driver's RunWatch): neither counted nor a break
+        # in a series (X, timeout, X, timeout... is X three times in a row)
+        if failure.kind != "start_timeout":
+            now = (failure.signature, state.get("latest"))
+            self.repeats = self.repeats + 1 if now == self._last else 1
+            self._last = now
+        if state.get("fatal"):  # a worker said the run cannot go on: a new group would not either
+            decision = FailureDecision.RAISE
+        elif failure.kind != "start_timeout" and self.repeats >= self.limit:
             decision = FailureDecision.RAISE
             logger.warning("the same failure %d times in a row without a step: %s", self.repeats,
                            failure.cause)
         else:
             decision = super().make_decision(training_failed_error)
         record = {"time": time.time(), **failure.record(), "repeats": self.repeats, "in_place": self.in_place,
-                  "decision": "give_up" if decision == FailureDecision.RAISE else "retry"}
+                  "decision": "give_up" if decision == FailureDecision.RAISE else "retry",
+                  "max_failures": self.failure_config.max_failures}
         try:
             ray.get(self.runlog.record_failure.remote(record), timeout=RUNLOG_CALL_TIMEOUT_S)
         except Exception as exc:

@@ -196,12 +196,12 @@ class RunLog:
         self.finished_step = step if self.finished_step is None else max(self.finished_step, step)
 
     def run_state(self) -> dict[str, Any]:
-        """The step the run finished at (None while it trains) and the latest logged step (and
-        its (attempt, step): `latest`)."""
+        """The step the run finished at (None while it trains), the latest logged step (and its
+        (attempt, step): `latest`), and the reason a worker gave for ending the run (`fatal`)."""
         latest = None if self.latest is None else (self.latest["attempt"], self.latest["step"])
         return {"finished_step": self.finished_step, "replacements": self.replacements,
                 "latest_step": None if self.latest is None else self.latest["step"],
-                "latest": latest}
+                "latest": latest, "fatal": self.fatal}
 
     def record_failure(self, record: dict[str, Any]) -> None:
         """A failure the failure policy saw (failures.py): the attempt it ended gets its `end`

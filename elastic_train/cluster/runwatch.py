@@ -54,12 +54,14 @@ def failure_line(failure: dict[str, Any], next_attempt: dict[str, Any] | None,
     line = f"{attempt}{who}{where} failed{at}: {failure['cause']}"
     committed = failure.get("committed_step")
     start = f"the checkpoint of step {committed}" if committed is not None else "the start (no checkpoint)"
-    if failure.get("decision") == "give_up":
-        repeats = failure.get("repeats", 1)
-        again = f" ({repeats} times in a row without a step)" if repeats > 1 else ""
-        return f"{line}{again}; giving up"
     if fatal and fatal[:80] in failure["cause"]:
         return f"{line}; stopping: a restart would fail the same way"
+    if failure.get("decision") == "give_up":
+        repeats, budget = failure.get("repeats", 1), failure.get("max_failures")
+        why = (f" ({repeats} times in a row without a step)" if repeats > 1
+               else f" (no restart left: scaling.max_failures={budget})" if budget is not None
+               and budget >= 0 else "")
+        return f"{line}{why}; giving up"
     if failure.get("in_place"):
         return f"{line}; the others train on, a replacement joins in place"
     if next_attempt is not None:
