@@ -48,6 +48,19 @@ def _train(args: argparse.Namespace) -> int:
 CLI_PREPARE_DEFAULTS = {"max_seq_len": 512, "seed": 0, "eval_fraction": 0.03}
 
 
+def _check_prepare_args(args: argparse.Namespace) -> None:
+    """Bad numbers refused by the flags the user typed, before any input is read (prepare()
+    names its keyword arguments: max_seq_len, rows_per_block)."""
+    from elastic_train.data.heldout import check_fraction
+
+    for flag, value, least in (("--max-seq-len", args.max_seq_len, 1),
+                               ("--rows-per-block", args.rows_per_block, 1), ("--seed", args.seed, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if args.eval_fraction is not None:
+        check_fraction(args.eval_fraction)  # names --eval-fraction
+
+
 def _prepare(args: argparse.Namespace) -> int:
     import time
 
@@ -55,6 +68,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from elastic_train.data.prepare import prepare
     from elastic_train.data.rechunk import is_token_dataset
 
+    _check_prepare_args(args)
     started = time.perf_counter()
     engine = choose_engine(args.engine, args.inputs, args.text_field)
     run = prepare_ray if engine == "ray" else prepare  # the same shards either way
@@ -126,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-fraction", type=float, default=None,
                    help="share of documents held out, all their rows, into OUTPUT/eval/ (a data "
                         "set of its own), which eval.fraction > 0 evaluates on (default 0.03; "
-                        "0: none)")
+                        "0: none; below 0.5)")
     p.add_argument("--rows-per-block", type=int, default=None,
                    help="rows per Parquet row group, the unit a training rank reads alone "
                         "(default: 128, fewer for a small data set so it has 64 row groups)")
@@ -174,9 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as a Namespace, options and positionals in any order: overrides on both
+    sides of `--config` (`train run.name=x --config f.yaml optim.lr=1e-3`), `prepare`'s inputs on
+    both sides of `--output`. argparse's parse_intermixed_args does that but refuses a parser with
+    subcommands, so the top level only picks the subcommand, whose own parser reads the rest."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    command = parser.parse_known_args(argv)[0].command  # exits on -h or an unknown subcommand
+    sub = parser._subparsers._group_actions[0].choices[command]
+    return sub.parse_intermixed_args(argv[argv.index(command) + 1:],
+                                     argparse.Namespace(command=command))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `elastic-train` console script."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from elastic_train.cluster.console import quiet_library_notices
 

@@ -26,11 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(REPO / "jobs" / "configs" / "smoke.yaml"))
     parser.add_argument("overrides", nargs="*", help="dotted.key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
         cfg = load_config(args.config, args.overrides)
         result = train(cfg)
-    except (ConfigError, ValueError) as exc:  # bad input: one line, as the command line does
+    except (ConfigError, ValueError, FileNotFoundError) as exc:  # bad input: one line, as cli.py
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except TrainingStopped as exc:

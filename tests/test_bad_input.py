@@ -403,6 +403,10 @@ CASES = [
     Case("log.peak_flops=0", train("log.peak_flops=0"), "log.peak_flops"),
     Case("run.num_cpus=0", train("run.num_cpus=0"), "run.num_cpus"),
     Case("unknown key", train("optim.lrr=1"), "optim.lrr"),
+    Case("flow mapping without a space", train("scaling.resources_per_worker={tcp_gpu:1}"),
+         "a flow mapping needs a space after the colon, {tcp_gpu: 1}"),
+    Case("eval.path beside the embedded eval.fraction", train("eval.path=/x", "eval.fraction=0.03"),
+         "add eval.fraction=0 to evaluate on eval.path alone"),
     Case("override without =", train("optim.lr"), "optim.lr"),
     # storage
     Case("storage under a file", with_file("afile", b"x", "run.storage_path={f}/runs"),
@@ -510,7 +514,14 @@ CASES = [
     Case("prepare negative seed", prepare_case(lambda tmp: [
         *files(tmp, a_txt=b"hello"), "--seed", "-1", "--output", str(tmp / "out")]), "--seed"),
     Case("prepare max-seq-len 0", prepare_case(lambda tmp: [
-        *files(tmp, a_txt=b"hello"), "--max-seq-len", "0", "--output", str(tmp / "out")]), "max_seq_len"),
+        *files(tmp, a_txt=b"hello"), "--max-seq-len", "0", "--output", str(tmp / "out")]),
+         "--max-seq-len must be at least 1, got 0"),
+    Case("prepare rows-per-block 0", prepare_case(lambda tmp: [
+        *files(tmp, a_txt=b"hello"), "--rows-per-block", "0", "--output", str(tmp / "out")]),
+         "--rows-per-block must be at least 1, got 0"),
+    Case("prepare eval-fraction 0.6", prepare_case(lambda tmp: [  # eval.fraction's bound
+        *files(tmp, a_txt=b"hello"), "--eval-fraction", "0.6", "--output", str(tmp / "out")]),
+         "--eval-fraction must be in [0, 0.5), got 0.6"),
     Case("prepare output is a file", prepare_case(lambda tmp: [
         *files(tmp, a_txt=b"hello", out_bin=b"x"), "--output", str(tmp / "out.bin")]), "out.bin"),
     Case("prepare output under a file", prepare_case(lambda tmp: [

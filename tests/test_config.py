@@ -279,3 +279,90 @@ def test_a_fault_schedule_is_read_from_the_command_line_and_drawn_from_a_seed():
     steps = [step for step, _, _ in fault_schedule(drawn)]
     assert len(steps) == 3 and 4 < steps[0] and steps[-1] <= 40
     assert all(b - a >= 8 for a, b in zip(steps, steps[1:], strict=False))
+
+
+# ---- what users type: the command line's order, text keys, flow values --------------------------
+
+def test_overrides_on_both_sides_of_an_option_are_all_read(tmp_path):
+    """`train run.name=x --config f.yaml optim.lr=1e-3` (and --verbose between overrides): every
+    override is read; argparse's plain parse_args refused the ones after an option."""
+    cfg = tmp_path / "x.yaml"
+    cfg.write_text("run:\n  name: bad\n")
+    proc = _cli("train", f"run.storage_path={tmp_path}", "--config", str(cfg), "--verbose",
+                "train.max_stepz=3")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and lines == [lines[0]] and "train.max_stepz" in lines[0], proc.stderr
+    from elastic_train.cli import parse_args
+
+    args = parse_args(["prepare", "a.txt", "--output", "o", "b.txt", "--seed", "3"])
+    assert (args.inputs, args.output, args.seed) == (["a.txt", "b.txt"], "o", 3)
+
+
+def test_examples_driver_reads_intermixed_overrides_and_names_a_missing_file(monkeypatch, capsys):
+    """examples/driver.py parses as the command line does, and a FileNotFoundError from the run
+    is one `error:` line (exit 2) there too."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "driver.py"
+    spec = importlib.util.spec_from_file_location("example_driver", path)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    assert driver.main(["run.name=x", "--config", str(driver.REPO / "jobs" / "configs" / "smoke.yaml"),
+                        "optim.lrr=1"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown config key 'optim.lrr'")
+
+    def missing(cfg):
+        raise FileNotFoundError("no such file: /nope/tokenizer.json")
+
+    monkeypatch.setattr(driver, "train", missing)
+    assert driver.main(["run.name=x"]) == 2
+    assert capsys.readouterr().err == "error: no such file: /nope/tokenizer.json\n"
+
+
+@pytest.mark.parametrize("text", ["2024", "2024-05-01", "yes", "1:30", "off", "0x10", "null"])
+def test_a_text_key_keeps_its_override_as_typed(text):
+    """A key whose type is text takes the override's text, not what YAML reads it as (an int, a
+    date, True, 90 for 1:30); YAML's null still means None for a key that may be None."""
+    cfg = load_config(None, [f"run.name={text}", f"log.wandb={text}", f"data.path={text}",
+                             f"train.compile_cache_dir={text}", "eval.fraction=0",
+                             "checkpoint.keep_best=false"])
+    assert (cfg.run.name, cfg.train.compile_cache_dir) == (text, text)
+    expected = None if text == "null" else text
+    assert (cfg.log.wandb, cfg.data.path) == (expected, expected)
+
+
+def test_a_text_key_override_quoted_or_empty():
+    assert load_config(None, ["run.name='a:b'"]).run.name == "a:b"  # YAML's quotes still unquote
+    cfg = load_config(None, ["data.path=~", "log.mlflow=", "train.compile_cache_dir="])
+    assert (cfg.data.path, cfg.log.mlflow, cfg.train.compile_cache_dir) == (None, None, "")
+
+
+@pytest.mark.parametrize("value, kind", [("2024", "an integer"), ("2024-05-01", "a date"),
+                                         ("yes", "a boolean"), ("1:30", "an integer")])
+@pytest.mark.parametrize("section, key", [("run", "name"), ("data", "path")])  # str, str | None
+def test_a_text_key_in_a_file_is_refused_saying_how_to_quote_it(tmp_path, value, kind, section, key):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=f"^{section}.{key}: expected str.*, got .* \\(YAML reads "
+                                          f"this unquoted value as {kind}: put it in quotes"):
+        load_config(path)
+    path.write_text(f"{section}:\n  {key}: \"{value}\"\n")
+    assert getattr(getattr(load_config(path), section), key) == value
+
+
+@pytest.mark.parametrize("override, fixed", [
+    ("scaling.resources_per_worker={tcp_gpu:1}", "{tcp_gpu: 1}"),
+    ("model.kwargs={hidden:512}", "{hidden: 512}"),
+])
+def test_a_flow_mapping_without_a_space_after_the_colon_says_so(override, fixed):
+    """YAML reads {tcp_gpu:1} as {"tcp_gpu:1": None}: the message says what to write instead of
+    `scaling.resources_per_worker.tcp_gpu:1: expected float, got None`."""
+    with pytest.raises(ConfigError, match=re.escape(f"needs a space after the colon, {fixed}")):
+        load_config(None, [override])
+
+
+def test_eval_path_beside_the_embedded_eval_fraction_says_what_to_add():
+    with pytest.raises(ConfigError, match="both set: add eval.fraction=0 to evaluate on eval.path alone"):
+        load_config(None, ["eval.path=/x"])
+    assert load_config(None, ["eval.path=/x", "eval.fraction=0"]).eval.path == "/x"

@@ -23,7 +23,7 @@ def test_the_configuration_reference_is_generated_from_the_schema():
 
 def test_the_reference_names_every_key_with_its_own_comment():
     cfg = load_config(None)
-    page = render(cfg)
+    page = render()
     for section in dataclasses.fields(cfg):
         value = getattr(cfg, section.name)
         for f in dataclasses.fields(value):
@@ -34,6 +34,20 @@ def test_the_reference_names_every_key_with_its_own_comment():
                 assert f"| `{section.name}.{name}` |" in page, f"{section.name}.{name} missing"
     row = next(line for line in page.splitlines() if line.startswith("| `train.grad_reduce` |"))
     assert "same to the bit at any world size" in row  # the comment block above the field
+
+
+def test_the_reference_tells_the_schema_default_from_the_embedded_runs_value():
+    """A `--config` file is read alone: a key it leaves out gets the schema's default, which the
+    "default" column shows (null and auto as such, not the value they settle to on a CPU);
+    default.yaml's value is a column of its own, empty where that file sets none."""
+    rows = {line.split(" | ")[0].strip("|` "): line.split(" | ")[1:-1]
+            for line in render().splitlines() if line.startswith("| `")}
+    assert rows["train.max_steps"][1:] == ["`300`", "`120`"]
+    assert rows["eval.fraction"][1:] == ["`0.0`", "`0.03`"]
+    assert rows["checkpoint.keep_best"][1:] == ["`False`", "`True`"]
+    assert rows["train.precision"][1:] == ["`auto`", "`auto`"]
+    assert rows["scaling.cpus_per_worker"][1:] == ["`null`", ""]
+    assert rows["data.pad_multiple"][1:] == ["`null`", ""]
 
 
 # ---- the commands and keys the pages show, as a user would copy them -------------------------
@@ -98,7 +112,7 @@ def test_every_documented_command_parses_and_its_config_loads(page, argv, monkey
     """Every command a page shows runs as written as far as its arguments go: the subcommand and
     each flag exist, and a train command's --config and overrides load and validate (a renamed
     key or a value the checks refuse fails here, not for the user who copied it)."""
-    from elastic_train.cli import build_parser
+    from elastic_train.cli import build_parser, parse_args
 
     assert argv and argv[0] in SUBCOMMANDS, f"{page}: '{' '.join(argv)}' names no subcommand"
     parser = build_parser()
@@ -109,7 +123,7 @@ def test_every_documented_command_parses_and_its_config_loads(page, argv, monkey
         assert flags <= known, f"{page}: '{' '.join(argv)}' names {sorted(flags - known)}"
         return
     try:
-        args = parser.parse_args(argv)
+        args = parse_args(argv)
     except SystemExit:
         pytest.fail(f"{page}: `elastic-train {' '.join(argv)}` is refused by the command line")
     if argv[0] == "train":
@@ -147,3 +161,25 @@ def test_every_key_the_pages_name_exists():
     unknown = [(page, key) for page, key in named
                if key not in keys and not key.startswith(mappings)]
     assert not unknown, f"keys the pages name that the schema does not have: {unknown}"
+
+
+def test_every_flow_value_the_pages_show_survives_the_shell():
+    """A `key=[a, b]` or `key={k: v}` the pages show, copied into a shell, must reach the
+    command line whole: unquoted, the shell splits it at the space (`fault.schedule=[25:crash:1,`
+    and `45:kill,` ...), so the value that reaches the override must be valid YAML."""
+    import yaml
+
+    shown = [(page.name, shlex.split(span)) for page in PAGES
+             for span in re.findall(r"`([a-z_]+\.[a-z_.]+=[^`]*)`", page.read_text())]
+    shown += documented_commands()  # already split as the shell splits them
+    broken = []
+    for page, words in shown:
+        for word in words:
+            value = word.partition("=")[2]
+            if "=" in word and value[:1] in ("[", "{"):
+                try:
+                    yaml.safe_load(value)
+                except yaml.YAMLError:
+                    broken.append((page, word))
+    assert len(shown) >= 80, shown
+    assert not broken, f"flow values the shell splits (quote them: key='[a, b]'): {broken}"

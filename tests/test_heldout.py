@@ -121,8 +121,8 @@ def test_cli_eval_fraction_and_bad_values(long_docs, tmp_path, capsys):
     assert stats["eval"]["documents"] > 0 and (out / "eval" / "part-00000.parquet").exists()
     one = tmp_path / "one.txt"
     one.write_text("a single paragraph\n")
-    for args, message in [(["--eval-fraction", "1"], "--eval-fraction must be in [0, 1)"),
-                          (["--eval-fraction", "-0.1"], "--eval-fraction must be in [0, 1)"),
+    for args, message in [(["--eval-fraction", "1"], "--eval-fraction must be in [0, 0.5)"),
+                          (["--eval-fraction", "-0.1"], "--eval-fraction must be in [0, 0.5)"),
                           (["--eval-fraction", "0.1"], "none is left for training")]:
         assert cli_main(["prepare", str(one), "--output", str(tmp_path / "bad"), *args]) == 2
         err = capsys.readouterr().err

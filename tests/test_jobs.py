@@ -57,6 +57,16 @@ def test_job_default_is_the_embedded_default():
 
 
 @pytest.mark.unit
+def test_job_default_sets_what_the_embedded_default_sets():
+    """Key for key, as its header says (the loaded configs above agree on a CPU only: a
+    `precision: fp32` here against the embedded `auto` would differ on GPU workers)."""
+    job = yaml.safe_load((REPO / "jobs" / "configs" / "default.yaml").read_text())
+    embedded = yaml.safe_load((REPO / "elastic_train" / "configs" / "default.yaml").read_text())
+    assert job["run"].pop("storage_path") != embedded["run"].pop("storage_path")
+    assert job == embedded
+
+
+@pytest.mark.unit
 def test_smoke_config_is_tiny():
     cfg = load_config(REPO / "jobs" / "configs" / "smoke.yaml")
     assert (cfg.scaling.min_workers, cfg.scaling.max_workers, cfg.scaling.use_gpu) == (2, 2, False)

@@ -8,6 +8,7 @@ a `Config`. Any problem raises `ConfigError` with one message that names the cul
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import types
 import typing
 from pathlib import Path
@@ -37,7 +38,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError:
                 pass
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}{_quote_hint(tp, value)}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
@@ -47,6 +48,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         _, vt = typing.get_args(tp)
+        for k, v in value.items():
+            if v is None and isinstance(k, str) and ":" in k:  # {tcp_gpu:1} is {"tcp_gpu:1": None}
+                name, _, rest = k.partition(":")
+                raise ConfigError(f"{key}: YAML reads {{{k}}} as the key '{k}' with no value: a "
+                                  f"flow mapping needs a space after the colon, {{{name}: {rest}}}")
         return {str(k): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
@@ -65,7 +71,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}{_quote_hint(tp, value)}")
+
+
+def _quote_hint(tp: Any, value: Any) -> str:
+    """For a text key given a value YAML read as another type (2024, 2024-05-01, yes, 1:30):
+    how to keep it as text. A file's value, mostly: an override of a text key stays as typed."""
+    texts = tp is str or str in typing.get_args(tp)
+    if not texts or not isinstance(value, (bool, int, float, datetime.date)):
+        return ""
+    kind = {bool: "a boolean", int: "an integer", float: "a number"}.get(type(value), "a date")
+    return f" (YAML reads this unquoted value as {kind}: put it in quotes, \"...\", to keep it as text)"
 
 
 def _type_name(tp: Any) -> str:
@@ -113,16 +129,52 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`a.b=value` -> ("a.b", value); the value is read as a YAML scalar or flow mapping."""
+    """`a.b=value` -> ("a.b", value); the value is read as a YAML scalar or flow mapping, except
+    for a text key (str, or str | None), whose value is the text as typed (see `_text_value`)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override '{text}': expected dotted.key=value")
+    tp = _schema_type(key.strip())
+    if tp is str or (tp is not None and set(typing.get_args(tp)) == {str, type(None)}):
+        return key.strip(), _text_value(raw, nullable=tp is not str)
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         detail = " ".join(str(exc).split())
         raise ConfigError(f"override '{text}': value is not valid YAML ({detail})") from None
     return key.strip(), value
+
+
+def _schema_type(dotted: str) -> Any:
+    """The annotation of a dotted key's field; None for a key the schema does not have."""
+    tp: Any = Config
+    for part in dotted.split("."):
+        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            return None
+        tp = typing.get_type_hints(tp).get(part)
+    return tp
+
+
+# YAML's spellings of null: what a `str | None` key's override reads as None
+NULLS = ("", "~", "null", "Null", "NULL")
+
+
+def _text_value(raw: str, nullable: bool) -> str | None:
+    """A text key's override value: the text as typed, so that `run.name=2024`, `=2024-05-01`,
+    `=yes` or `=1:30` stay text (YAML would read an int, a date, True, 90); a quoted text
+    (`run.name="'a b'"`) loses its quotes as YAML's would. For a `str | None` key YAML's null
+    (null, ~, nothing) is still None: `data.path=null` goes back to the embedded corpus."""
+    if nullable and raw.strip() in NULLS:
+        return None
+    quoted = raw.strip()
+    if len(quoted) >= 2 and quoted[0] == quoted[-1] and quoted[0] in "'\"":
+        try:
+            value = yaml.safe_load(quoted)
+        except yaml.YAMLError:
+            value = None
+        if isinstance(value, str):
+            return value
+    return raw
 
 
 def load_config(

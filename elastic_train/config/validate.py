@@ -274,11 +274,19 @@ def _validate_data_rest(d: DataConfig) -> None:
              f"data.on_change must be refuse or keep_position, got {d.on_change!r}")
 
 
+# eval.fraction and prepare's --eval-fraction stay below this: holding out half the data or more
+# leaves the training set smaller than what measures it
+MAX_EVAL_FRACTION = 0.5
+
+
 def _validate_eval(e: EvalConfig, c: CheckpointConfig) -> None:
     _require(e.path is None or bool(e.path.strip()), "eval.path: an empty path")
-    _require(0 <= e.fraction < 0.5, f"eval.fraction must be in [0, 0.5), got {e.fraction}")
+    _require(0 <= e.fraction < MAX_EVAL_FRACTION,
+             f"eval.fraction must be in [0, {MAX_EVAL_FRACTION}), got {e.fraction}")
     _require(not (e.path and e.fraction), f"eval.path ({e.path}) and eval.fraction ({e.fraction}) "
-                                          "both set: evaluate on one or the other")
+                                          "both set: add eval.fraction=0 to evaluate on eval.path "
+                                          "alone (the embedded default run sets eval.fraction "
+                                          "0.03), or leave eval.path out")
     _at_least("eval.every_steps", e.every_steps, 0)
     _at_least("eval.max_batches", e.max_batches, 1)
     _require(not c.keep_best or eval_enabled(e), "checkpoint.keep_best needs an evaluation: set "

@@ -22,15 +22,17 @@ import hashlib
 
 import numpy as np
 
+from elastic_train.config.validate import MAX_EVAL_FRACTION
+
 EVAL_DIR = "eval"  # the held-out data set, a prepared data set of its own inside the output
 _HASH_KEY = b"elastic_train.heldout"
 _HASH_RANGE = float(1 << 64)
 
 
 def check_fraction(fraction: float) -> None:
-    """ValueError naming --eval-fraction unless 0 <= fraction < 1."""
-    if not 0 <= fraction < 1:
-        raise ValueError(f"--eval-fraction must be in [0, 1), got {fraction}")
+    """ValueError naming --eval-fraction unless 0 <= fraction < 0.5, eval.fraction's bound."""
+    if not 0 <= fraction < MAX_EVAL_FRACTION:
+        raise ValueError(f"--eval-fraction must be in [0, {MAX_EVAL_FRACTION}), got {fraction}")
 
 
 def document_keys(count: int, seed: int) -> np.ndarray:
