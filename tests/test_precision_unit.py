@@ -242,6 +242,29 @@ def test_nonfinite_step_backs_off_the_scale_and_restarts_growth_counting() -> No
     assert scaler.get_scale() == 2.0**9  # 2 good steps since the backoff: not yet 3
 
 
+def test_fp16_loss_scale_overflows_are_skipped_but_never_roll_back() -> None:
+    """A scale far too large (2^24) overflows the fp16 gradient for several steps in a row while
+    GradScaler backs off: each is a skipped step, but an overflow of the scale's making, which
+    neither counts toward train.max_consecutive_skips (3: a rollback replayed the same overflows
+    and the run stopped) nor breaks a run of real ones. A NaN loss is real at any scale."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    model, optimizer = _build("adamw")
+    state, overflows = TrainState(), []
+    for step in range(12):
+        micro_batches = BATCHES[step]
+        setup = StepSetup(device=CPU, world_size=1, precision="fp16", grad_clip=1.0, scaler=scaler)
+        result = train_step(LossModule(model), model, optimizer, micro_batches, setup=setup,
+                            data_targets=sum(mb.targets for mb in micro_batches), step=step,
+                            lr=lr_at(step, OPTIM["adamw"], STEPS))
+        assert result.overflow == result.skipped
+        overflows.append(result.overflow)
+        assert not state.count_step(result.skipped, 1, 1, 1, max_skips=3, overflow=result.overflow)
+    assert sum(overflows) >= 3 and overflows[0] and not overflows[-1], overflows
+    assert state.skipped_steps == sum(overflows) and state.consecutive_skips == 0
+    real = TrainState(consecutive_skips=2)
+    assert real.count_step(True, 1, 1, 1, max_skips=3)  # a non-finite loss: counted
+
+
 # -- optional: 2 gloo processes agree to skip ---------------------------------------------------
 def _gloo_worker(rank: int, world_size: int, out: str) -> None:
     raw, optimizer = _build("adamw")

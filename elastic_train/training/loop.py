@@ -198,7 +198,8 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
                     state_logged = True
                     env.log_event({"event": "optimizer_state", "bytes_per_param":
                                    optimizer_state_bytes(t.optimizer) / count_parameters(t.raw_model)})
-                if state.count_step(result.skipped, real, padded, rows, cfg.train.max_consecutive_skips):
+                if state.count_step(result.skipped, real, padded, rows,
+                                    cfg.train.max_consecutive_skips, result.overflow):
                     env.handle_nonfinite(state.step, micro_batches)
                 t.cursors = cursors
                 env.log_consumed(attempt, state, micro_batches)

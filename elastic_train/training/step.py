@@ -50,11 +50,14 @@ class TrainState:
     cursors: dict[str, list[int]] = field(default_factory=dict)
 
     def count_step(self, skipped: bool, real: float, padded: float, rows: float,
-                   max_skips: int) -> bool:
+                   max_skips: int, overflow: bool = False) -> bool:
         """Count one trained step (`skipped`: its gradient was non-finite, nothing applied); True
-        when `max_skips` steps in a row were skipped (the non-finite policy acts then)."""
+        when `max_skips` steps in a row were skipped (the non-finite policy acts then). An fp16
+        loss scale's `overflow` (`StepResult.overflow`) is a skipped step that neither counts
+        toward them nor breaks their run: GradScaler's way of finding its scale."""
         self.skipped_steps += skipped
-        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        if not overflow:
+            self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
         self.step += 1
         self.step_in_epoch += 1
         self.real_tokens += int(real)
@@ -309,6 +312,10 @@ class StepResult:
     skipped: bool
     forward_backward_s: float
     optimizer_s: float
+    # skipped by fp16's loss scale: the loss finite, the scaled gradient overflowing at a scale
+    # still above 1 (GradScaler backs off and tries again: starting at 2^16, a few such steps are
+    # how it finds its scale, and a rollback would replay them to fail the same way)
+    overflow: bool = False
 
 
 def train_step(
@@ -352,5 +359,8 @@ def train_step(
     loss_sum, grad_norm, skipped = optimizer_step(
         raw_model, optimizer, setup.scaler, setup.grad_clip, local_loss, setup.device,
         setup.sharded, exact=setup.exact is not None)
+    # the scale, backed off already, was at least 2 before: an overflow of the scale's making
+    overflow = (skipped and setup.scaler is not None and math.isfinite(loss_sum)
+                and setup.scaler.get_scale() >= 1.0)
     return StepResult(loss_sum / max(targets, 1.0), grad_norm, skipped, t1 - t0,
-                      time.perf_counter() - t1)
+                      time.perf_counter() - t1, overflow)
