@@ -403,6 +403,11 @@ def _validate_model(m: ModelConfig) -> None:
                                "overrides here; edit that config (or save a copy) instead")
         _require(m.vocab_size is None, f"model.vocab_size={m.vocab_size} with model.name=hf: the "
                                        "vocabulary is model.path's config.json's; leave it unset")
+    if m.name != "gpt":  # the embedded GPT's own key (its sizes default in default.yaml)
+        _require(m.dropout == 0.0, f"model.dropout={m.dropout} with model.name={m.name}: it is the "
+                                   "embedded GPT's; " + ("set the dropout in model.path's config.json "
+                                   "(e.g. attention_dropout)" if m.name == "hf" else
+                                   "pass it to your model as model.kwargs.dropout"))
     if m.name == "gpt":
         unknown = sorted(set(m.kwargs) - set(GPT_KWARGS))
         _require(not unknown, f"model.kwargs: {', '.join(unknown)} not known to model.name=gpt "
