@@ -6,8 +6,8 @@
 #   benchmarks/run_all.sh padding memory     only these (names without .py)
 #
 # Skipped: names starting with "_" (helpers) and scripts that hold the line "# run_all: skip" (e.g.
-# a baseline that another benchmark launches itself). results.jsonl keeps one line per script: the
-# ones run now are replaced, the others keep their previous line. A script that fails, or whose
+# a baseline that another benchmark launches itself). results.jsonl: the lines of the scripts run
+# now are replaced, every other line stays (other scripts', and those a benchmark appends itself). A script that fails, or whose
 # last line of stdout is not a JSON object, gets an {"error": ...} line; the exit status is then 1.
 #
 # The whole run holds /tmp/et_ray.lock, so that it never overlaps the Ray tests (each would distort
@@ -73,20 +73,24 @@ EOF
     fi
 done
 
-# Merge: this run's lines replace earlier lines of the same scripts; others stay, sorted by script.
+# Merge: this run's lines replace earlier lines of the same scripts; every other line stays as it
+# was, in its place: those of other scripts, and those a benchmark appended itself (with no
+# "script" key: gpu.py's cases, recovery's, sharding's), which one line per script would drop.
 "$PYTHON" - "$RESULTS" "$NEW" <<'EOF'
 import json, os, sys
 results, new = sys.argv[1], sys.argv[2]
-by_script = {}
-for path in (results, new):
-    if os.path.exists(path):
-        for line in open(path):
-            if line.strip():
-                record = json.loads(line)
-                by_script[record.get("script", "?")] = record
+
+def records(path):
+    if not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+fresh = records(new)
+ran = {record["script"] for record in fresh}
+kept = [record for record in records(results) if record.get("script") not in ran]
 with open(results, "w") as out:
-    for script in sorted(by_script):
-        out.write(json.dumps(by_script[script]) + "\n")
+    for record in kept + fresh:
+        out.write(json.dumps(record) + "\n")
 EOF
 echo "=== $(wc -l <"$NEW") result line(s) from this run; $RESULTS holds $(wc -l <"$RESULTS")"
 exit $status
