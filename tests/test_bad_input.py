@@ -986,34 +986,6 @@ def test_a_relative_storage_path_in_a_ray_job_is_refused(monkeypatch, tmp_path, 
 
 
 @pytest.mark.unit
-def test_a_cluster_that_does_not_answer_is_one_error_line_at_once(tmp_path, good_data, capsys,
-                                                                  monkeypatch):
-    """run.address (or RAY_ADDRESS) where no Ray cluster listens: ray.init retried for minutes
-    and the command line ended in a traceback; now one `error:` line naming the key, in
-    seconds, for train and for prepare --engine ray (which writes no output)."""
-    import socket
-    import time
-
-    with socket.socket() as s:  # a port nothing listens on once closed
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    t0 = time.monotonic()
-    code = main(train(f"run.address=127.0.0.1:{port}")(tmp_path, good_data))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"error: run.address: no Ray cluster answers at 127.0.0.1:{port}")
-    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
-    (tmp_path / "t.txt").write_text("some text to prepare\n" * 50)
-    code = main(["prepare", str(tmp_path / "t.txt"), "--output", str(tmp_path / "p"),
-                 "--engine", "ray"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1].startswith("error: RAY_ADDRESS: no Ray cluster answers at"), err
-    assert time.monotonic() - t0 < 60
-    assert not (tmp_path / "p").exists()
-
-
-@pytest.mark.unit
 def test_a_resume_on_another_evaluation_set_says_the_best_was_measured_on_the_other():
     """eval.max_batches (or eval.path, eval.fraction) other than the checkpoint's, with a best
     so far: one line naming the change and the best; the same set, or no best yet, nothing."""

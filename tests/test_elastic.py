@@ -476,6 +476,7 @@ def test_in_place_a_lost_node_is_replaced_while_the_survivor_trains_on(cluster, 
     assert len(survivor) == 1, survivor
     joined = [e for e in events if e["event"] == "replacement_joined"]
     assert len(joined) == 1 and joined[0]["rank"] == lost["rank"]
+    assert s["replacements"] == 1  # summary.json says so (it said nothing of a replacement)
     assert joined[0]["node_id"] not in (lost["node_id"], cluster.head_node.node_id)
     recs = sorted(metrics(result), key=lambda r: r["step"])
     assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))

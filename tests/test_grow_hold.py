@@ -132,11 +132,15 @@ def test_a_request_read_at_the_step_that_ends_an_epoch_is_saved_for_at_the_next(
         def checkpoint_committed(self, step: int) -> None:
             self.committed.append(step)
 
+    from elastic_train.data.dataset import inspect_dataset
+    from elastic_train.preflight.inputs import data_tables, table_horizon
+
     cfg = load_config(None, [*TINY, f"data.path={small_dataset}", "train.epochs=2",
                              "train.max_steps=1000", "checkpoint.every_steps=0"])
-    plain = train_locally(cfg)
-    epoch_end = max(r["step"] for r in plain.steps if r["epoch"] == 0)
+    one = load_config(None, [*TINY, f"data.path={small_dataset}", "train.epochs=1"])
+    epoch_end = table_horizon(one, data_tables(one, inspect_dataset(small_dataset)).train).total
     AskAtTheEpochsEnd.ask_at = epoch_end + 1  # the empty step is begun as step epoch_end + 1
     env = train_locally(cfg, env_cls=AskAtTheEpochsEnd)
+    assert max(r["step"] for r in env.steps if r["epoch"] == 0) == epoch_end
     assert env.began.count(epoch_end + 1) == 2  # the empty step, then the first of epoch 1
     assert env.committed == [epoch_end + 1] and epoch_end + 1 in env.saved

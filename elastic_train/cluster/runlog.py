@@ -52,6 +52,7 @@ class RunLog:
         # in place: the answer given to each occurrence of too many non-finite steps in a row,
         # (step, its participants): "rollback" or "fatal" (`claim_rollback`)
         self.nonfinite: dict[tuple[int, str], str] = {}
+        self.writers: set[tuple[str, int, int]] = set()  # in place: checkpoints claimed (claim_writer)
         self.latest: dict[str, Any] | None = None
         self._recent: list[tuple[int, int, float, float]] = []  # (attempt, step, real tokens, seconds)
         self.latest_eval: dict[str, Any] | None = None
@@ -432,6 +433,18 @@ class RunLog:
                 return False
             self.faults[key] = True
             self.folder.write("faults.json", json.dumps(self.faults))
+            return True
+
+    def claim_writer(self, what: str, attempt: int, step: int) -> bool:
+        """In-place recovery: True for the first replica that asks to write `what` (a periodic,
+        final or best checkpoint) of `step` in `attempt`. Every replica holds the whole state, and
+        the one that asks first is alive then: a writer fixed in advance (the quorum's first
+        participant) may have died right after committing the step, and nobody wrote it."""
+        with self._state_lock:
+            key = (what, attempt, step)
+            if key in self.writers:
+                return False
+            self.writers.add(key)
             return True
 
     def claim_rollback(self, step: int, occurrence: str, message: str) -> str:

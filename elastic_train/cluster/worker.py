@@ -319,6 +319,9 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
     def mark_finished(self, step: int) -> None:
         ray.get(self.runlog.mark_finished.remote(step))
 
+    def claim_writer(self, what: str, attempt: int, step: int) -> bool:
+        return ray.get(self.runlog.claim_writer.remote(what, attempt, step))
+
     @property
     def fence_after_s(self) -> float:
         """A replica missing this long is frozen (fence.py): by default, its own watchdog would

@@ -215,6 +215,8 @@ def build_summary(folder: str | Path, start_time: float, error: str | None = Non
         "written_at": end_time,  # what report compares with the logs: not a file's time
         "tokens_per_s": fit_real / wall if wall > 0 else None,
         **attempt_counts(attempts),
+        # in place: lost replicas replaced within an attempt (no restart, no attempt of their own)
+        "replacements": sum(e.get("event") == "replacement_joined" for e in events),
         "world_sizes": [a["world_size"] for a in attempts],
         "skipped_steps": last.get("skipped_steps", 0),
         "replayed_steps": len(records) - len(effective) + retrained_in_place(records, events),

@@ -51,7 +51,6 @@ from elastic_train.recovery.replica import (
 )
 from elastic_train.training.build import Training, build_training
 from elastic_train.training.checkpoint import BestCheckpointWriter, snapshot
-from elastic_train.training.env import WorkerEnv
 from elastic_train.training.evaluate import run_eval
 from elastic_train.training.loop import _log_reads, check_restored_position, stream_spec
 from elastic_train.training.losses import LossFn
@@ -341,11 +340,12 @@ def _after_step(run: ReplicaRun) -> None:
     cfg, env, state = run.cfg, run.env, run.t.state
     if run.env.eval_table is not None and cfg.eval.every_steps \
             and state.step % cfg.eval.every_steps == 0:
-        run.best = _evaluate(cfg, env, run.t, run.attempt, run.best, run.prank == 0)
+        run.best = _evaluate(cfg, env, run.t, run.attempt, run.best)
     every = cfg.checkpoint.every_steps
     if every and state.step % every == 0:
         _log_reads(env, run.attempt, run.reader)
-        save_in_place(env, cfg, run.t, writer=run.prank == 0, final=False)
+        writer = env.claim_writer("periodic", run.attempt, state.step)
+        save_in_place(env, cfg, run.t, writer=writer, final=False)
 
 
 def _finish(run: ReplicaRun) -> None:
@@ -365,15 +365,15 @@ def _finish(run: ReplicaRun) -> None:
         env.last_saved_step = -1
         env.save_checkpoint(None, env.run_finished(), final=True)
         return
-    # the last step's first participant logs and writes (the first worker, if this process ran
-    # no step)
-    first = run.prank == 0 if run.committed_here else env.world_rank == 0
     if env.eval_table is not None and t.state.eval_step != t.state.step:  # unless just evaluated
-        run.best = _evaluate(cfg, env, t, run.attempt, run.best, first)
+        run.best = _evaluate(cfg, env, t, run.attempt, run.best)
     if run.best is not None:
         run.best.wait()
     env.mark_finished(t.state.step)  # a replacement that starts from now on only reports
-    save_in_place(env, cfg, t, writer=first, final=True)
+    # the first replica here writes: alive now (the last step's first participant may have died
+    # right after committing it, and nobody wrote the run's last checkpoint)
+    writer = env.claim_writer("final", run.attempt, t.state.step)
+    save_in_place(env, cfg, t, writer=writer, final=True)
 
 
 def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: PartitionPool,
@@ -413,15 +413,18 @@ def _fence(env: InPlaceEnv, rank: int, pid: int, missing_s: float) -> None:
     env.fence(rank, pid, missing_s)
 
 
-def _evaluate(cfg: Config, env: WorkerEnv, t: Training, attempt: int,
-              best: BestCheckpointWriter | None, first: bool) -> BestCheckpointWriter | None:
+def _evaluate(cfg: Config, env: InPlaceEnv, t: Training, attempt: int,
+              best: BestCheckpointWriter | None) -> BestCheckpointWriter | None:
     """Every replica evaluates every partition itself, with no collective (a lost replica cannot
     hold the others in one): the same result on each, and at any number of replicas; it costs each
     replica the whole evaluation. Every replica sends the record (the RunLog keeps the first: a
-    replica lost right after leaves no gap); the quorum's first participant keeps the best."""
-    if first and best is None and cfg.checkpoint.keep_best:
+    replica lost right after leaves no gap); the first to claim a new best writes it (one fixed
+    in advance may die in the evaluation, and nobody wrote it: the best pointer stayed older)."""
+    if best is None and cfg.checkpoint.keep_best:
         best = env.best_writer()
-    run_eval(cfg, env, t, list(range(num_partitions(cfg))), attempt, best if first else None, True)
+    step = t.state.step
+    run_eval(cfg, env, t, list(range(num_partitions(cfg))), attempt, best, True,
+             claim=lambda: env.claim_writer("best", attempt, step))
     return best
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -91,9 +92,11 @@ def evaluate(loss_module: LossModule, reader: BlockReader, spec: StreamSpec, par
 
 
 def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], attempt: int,
-             best: BestCheckpointWriter | None, log: bool) -> None:
+             best: BestCheckpointWriter | None, log: bool,
+             claim: Callable[[], bool] | None = None) -> None:
     """Evaluate `partitions` after the current step; if `log`, log it; keep a new best
-    checkpoint through `best` if given (rank 0's alone, or with fsdp every rank's)."""
+    checkpoint through `best` if given (rank 0's alone, or with fsdp every rank's; in place
+    every replica's, the one whose `claim` of it comes first writing it)."""
     state = t.state
     reader = make_reader(cfg.data.reader, env.eval_table, env.extra_columns,
                          input_embedding_rows(t.raw_model, cfg.model.vocab_size or BYTE_VOCAB))
@@ -113,7 +116,7 @@ def run_eval(cfg: Config, env: WorkerEnv, t: Training, partitions: list[int], at
                       "eval_targets": result.targets, "eval_micro_batches": result.micro_batches,
                       "eval_s": result.seconds, "best_eval_loss": state.best_eval_loss,
                       "best_step": state.best_step})
-    if not improved or best is None:
+    if not improved or best is None or (claim is not None and not claim()):
         return
     if t.setup.sharded is not None:  # every rank has a writer and writes its own rows
         snap = sharded_snapshot(t.raw_model, t.optimizer, asdict(state), cfg.to_dict(),
