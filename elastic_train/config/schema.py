@@ -191,9 +191,11 @@ class TrainConfig:
 class OptimConfig:
     name: str = "adamw"  # adamw | adamw8bit
     lr: float = 3e-3  # peak learning rate
+    # AdamW's decoupled decay, of the parameters of 2 or more dimensions (matrices, embeddings,
+    # LoRA's A and B); norms and biases are not decayed
     weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
     # linear warmup, then cosine decay to min_lr_ratio * lr at step schedule_steps
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
