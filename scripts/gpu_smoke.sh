@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU smoke test (issue 6), for a machine with one or more CUDA GPUs; under 5 minutes.
+# GPU smoke test (issue 6), for a machine with one or more CUDA GPUs. Steps 1-6 take several
+# minutes on an H200 (a dozen Ray runs), step 7 up to its --budget-s: the whole script does not fit
+# one 10-minute device call; run it in two (e.g. without step 7, then `--bench-only`).
 #   bash scripts/gpu_smoke.sh
 # 1. NCCL DDP + accumulation gradient vs one process, on the GPU (tests/test_dist.py logic, nccl),
 #    also through each communication hook (fp16, bf16, PowerSGD's warm-up step).
@@ -8,12 +10,13 @@
 #    loop.check_state_device fails the run otherwise), then an 8-bit crash/resume and a model too
 #    large for the GPU (refused with one message, within 60 s; alone: `--huge-only`); prints each
 #    summary line. train.grad_reduce=auto
-#    (the default) must choose ddp on a GPU worker.
+#    (the default) must choose exact on a GPU worker (docs/performance.md).
 # 3. Throughput: a ~100M-parameter GPT (12 layers, d_model 768) in bf16 on 1 GPU worker, 60 steps:
 #    steady tokens/s and MFU (log.peak_flops: H100/H200 dense bf16, 989e12; set PEAK_FLOPS for others).
-# 7. (or alone: `bash scripts/gpu_smoke.sh --bench-only`, one device call of ~6 minutes) the GPU
-#    benchmark, benchmarks/gpu.py: ~100M and ~1B GPT and a Llama-shaped model against a bare loop;
-#    its JSON lines go to $OUT/gpu.jsonl (or gpu_bench_out/) and benchmarks/results.jsonl.
+# 7. (or alone: `bash scripts/gpu_smoke.sh --bench-only`, up to its --budget-s, 420 s: the cases
+#    past the budget are skipped; name them with --cases in a second call) the GPU benchmark,
+#    benchmarks/gpu.py: ~100M and ~1B GPT and a Llama-shaped model against a bare loop; its JSON
+#    lines go to $OUT/gpu.jsonl (or gpu_bench_out/; copy them into benchmarks/results.jsonl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
@@ -69,7 +72,7 @@ print("gpt100m bf16: %.0f tokens/s, MFU %.3f, step %.1f ms, host overhead %.2f m
 PY
 # 4. train.sharding=fsdp (issue 29) on NCCL: a bf16 run with a crash and resume (the checkpoint of
 #    each rank's rows resharded on load), then the ~100M GPT beside sharding=none: tokens/s, MFU and
-#    the device's allocated bytes per parameter (fsdp's ddp reduction: fp32 master, bf16 compute).
+#    the device's allocated bytes per parameter (fsdp, fp32 master, bf16 compute).
 .venv/bin/elastic-train train "${COMMON[@]}" run.name=fsdp train.sharding=fsdp train.precision=bf16 \
     fault.crash_at_step=15
 .venv/bin/elastic-train train "${COMMON[@]}" run.name=gpt100m_fsdp train.sharding=fsdp train.precision=bf16 \
