@@ -893,7 +893,8 @@ def test_a_resume_that_moves_the_lr_schedule_says_from_what_to_what(tmp_path, go
     assert before != after
     assert notes == [f"run t: resuming at step 2, the learning rate goes from {before:.3g} to "
                      f"{after:.3g} (the schedule's end moves from step {epoch_end} to {shorter} "
-                     f"(train.max_steps {saved.train.max_steps} -> {shorter}); the schedule "
+                     f"(train.max_steps {saved.train.max_steps} -> {shorter}); "
+                     f"optim.schedule_steps={epoch_end} keeps the checkpoint's; the schedule "
                      "follows the current config)"]
     caplog.clear()
     with pytest.raises(AssertionError, match="Ray would start now"):

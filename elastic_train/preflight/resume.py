@@ -166,6 +166,7 @@ def lr_change_note(cfg: Config, state: dict[str, Any]) -> str | None:
             ("train.epochs", saved.get("train", {}).get("epochs"), cfg.train.epochs))
             if a is not None and a != b]
         why += f" ({', '.join(moved)})" if moved else ""
+        why += f"; optim.schedule_steps={old_end} keeps the checkpoint's"
     return (f"run {cfg.run.name}: resuming at step {step}, the learning rate goes from "
             f"{before:.3g} to {after:.3g} ({why}; the schedule follows the current config)")
 
