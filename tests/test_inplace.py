@@ -61,9 +61,10 @@ def test_in_place_run_trains_every_id_once_at_two_workers(reference):
 
 
 @pytest.mark.timeout(SLOW_TEST_S)
+@pytest.mark.parametrize("lost", [1, 0])
 def test_a_replacement_that_starts_after_the_last_step_joins_the_final_report(reference, held_out_dataset,
-                                                                             tmp_path):
-    """Rank 0 dies after the last step (20, a checkpoint step). The survivor writes that step's
+                                                                             tmp_path, lost):
+    """Rank 1 dies after the last step (20, a checkpoint step). The survivor writes that step's
     checkpoint, marks the run finished and waits in Ray's final report, a barrier of every worker;
     Ray's replacement of rank 1 finds the run over, restores that very checkpoint and must still
     join the report without a share. Two hangs it guards against: the replacement took the
@@ -72,13 +73,13 @@ def test_a_replacement_that_starts_after_the_last_step_joins_the_final_report(re
     `ray.train.report` returned without reporting and the survivor ended, leaving the replacement
     in the barrier for ever (found by this test; worker.save_checkpoint reports again).
     The steps are the uninterrupted run's first 20: the same ids, and to the bit while the
-    learning rate is the same (the reference decays towards a later max_steps). Rank 0, the
-    step's first participant, alone wrote checkpoints: neither step 20's periodic checkpoint nor
-    the final one was written (rank 1 lost, the survivor was the writer); the first live replica
-    to claim a checkpoint writes it."""
+    learning rate is the same (the reference decays towards a later max_steps). Rank 0 lost
+    instead: the step's first participant, which writes the periodic checkpoints, so step 20's is
+    not written and the replacement restores the one before; the final checkpoint, which it also
+    wrote alone, is now the first live replica's to claim (it was not written at all)."""
     last = 20
     result = run(tmp_path, held_out_dataset, "late", *IN_PLACE, f"train.max_steps={last}",
-                 f"fault.crash_at_step={last}", "fault.crash_rank=0")
+                 f"fault.crash_at_step={last}", f"fault.crash_rank={lost}")
     s = result.summary
     assert s["status"] == "finished" and s["steps"] == last and s["replayed_steps"] == 0, s
     final = json.loads((Path(result.checkpoint_path) / "state.json").read_text())  # written whole
@@ -89,7 +90,8 @@ def test_a_replacement_that_starts_after_the_last_step_joins_the_final_report(re
     late = [e for e in events if e["event"] == "worker_started" and e.get("joining")]
     assert len(late) == 1 and late[0]["time"] > recs[-1]["time"], late
     restored = [e for e in events if e["event"] == "restore" and e.get("pid") == late[0]["pid"]]
-    assert restored and restored[0]["checkpoint"].endswith(f"{last:09d}"), restored
+    every = 4  # test_train_ray.run's checkpoint.every_steps
+    assert restored and restored[0]["checkpoint"].endswith(f"{last - every * (lost == 0):09d}"), restored
     ref = {r["step"]: r for r in steps(reference)}
     same_lr = [r for r in recs if r["lr"] == ref[r["step"]]["lr"]]
     assert len(same_lr) >= last // 2, same_lr

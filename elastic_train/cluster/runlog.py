@@ -436,8 +436,8 @@ class RunLog:
             return True
 
     def claim_writer(self, what: str, attempt: int, step: int) -> bool:
-        """In-place recovery: True for the first replica that asks to write `what` (a periodic,
-        final or best checkpoint) of `step` in `attempt`. Every replica holds the whole state, and
+        """In-place recovery: True for the first replica that asks to write `what` (the final
+        or a best checkpoint) of `step` in `attempt`. Every replica holds the whole state, and
         the one that asks first is alive then: a writer fixed in advance (the quorum's first
         participant) may have died right after committing the step, and nobody wrote it."""
         with self._state_lock:

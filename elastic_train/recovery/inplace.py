@@ -344,8 +344,9 @@ def _after_step(run: ReplicaRun) -> None:
     every = cfg.checkpoint.every_steps
     if every and state.step % every == 0:
         _log_reads(env, run.attempt, run.reader)
-        writer = env.claim_writer("periodic", run.attempt, state.step)
-        save_in_place(env, cfg, run.t, writer=writer, final=False)
+        # the step's first participant: one lost right after committing the step leaves it to the
+        # next periodic checkpoint or the final one (claimed: `_finish`), a replay at most
+        save_in_place(env, cfg, run.t, writer=run.prank == 0, final=False)
 
 
 def _finish(run: ReplicaRun) -> None:

@@ -226,7 +226,7 @@ class InPlaceEnv(WorkerEnv, Protocol):
     def run_finished(self) -> int | None: ...  # the step the run's training ended at, if it has
     def latest_step(self) -> int | None: ...  # the latest step logged
     def mark_finished(self, step: int) -> None: ...
-    # the first replica to ask writes a checkpoint ("periodic" | "final" | "best") of a step
+    # the first replica to ask writes a checkpoint ("final" | "best") of a step
     def claim_writer(self, what: str, attempt: int, step: int) -> bool: ...
     # a committed step's record and sample ids (all partitions'; None: not recorded), sent by
     # every participant: the first to arrive is kept
