@@ -111,7 +111,8 @@ class RunLog:
                 # A failure reported late (its caller's call came after the new group began)
                 # turns both back into a failure and a restart (`record_failure`)
                 cause = "resize"
-                self._end_attempt({"cause": "resize", **self._reached(before)}, before)
+                self._end_attempt({"cause": "resize", "step": self._step_reached(before),
+                                   "committed_step": self._committed()}, before)
         self.session_attempts += 1
         self.attempts.append({"attempt": len(self.attempts), "world_size": world_size,
                               "start_time": time.time(), "cause": cause, "session": self.session})
@@ -211,10 +212,7 @@ class RunLog:
         record = {"time": time.time(), **record}  # the failure policy's time when it saw it
         if record.get("rank") is not None and not record.get("node"):
             record["node"] = self.rank_nodes.get(record["rank"])
-        try:
-            record["committed_step"] = committed_step(self.folder.fs, self.folder.remote_path)
-        except Exception:  # a snapshot Ray is rewriting; the attempt's end says so
-            record["committed_step"] = None
+        record["committed_step"] = self._committed()
         with self._attempt_lock:
             # the attempt that was running when the failure was seen: the last one begun before
             # it (a call that came late, after the controller restarted the group anyway: its
@@ -226,8 +224,7 @@ class RunLog:
                     and ("end" not in failed or resized)
                     and record["kind"] not in ("start", "start_timeout")):
                 record["attempt"] = failed["attempt"]
-                latest = self.latest if self.latest and self.latest["attempt"] == failed["attempt"] else None
-                record["step"] = latest["step"] if latest else None
+                record["step"] = self._step_reached(failed)
                 if not record.get("in_place"):
                     if resized:
                         del failed["end"]
@@ -239,15 +236,18 @@ class RunLog:
         self.failures.append(record)
         self.log_event({"event": "failure", **record})
 
-    def _reached(self, attempt: dict[str, Any]) -> dict[str, Any]:
-        """The step `attempt` got to (its last record; None without one) and the last committed
-        step (None while Ray rewrites the snapshot)."""
+    def _step_reached(self, attempt: dict[str, Any]) -> int | None:
+        """The step `attempt` got to: its last record's (None without one)."""
         latest = self.latest if self.latest and self.latest["attempt"] == attempt["attempt"] else None
+        return latest["step"] if latest else None
+
+    def _committed(self) -> int | None:
+        """The last committed step; None while Ray rewrites the snapshot (an attempt's end says
+        so)."""
         try:
-            committed = committed_step(self.folder.fs, self.folder.remote_path)
-        except Exception:  # noqa: BLE001 - a snapshot Ray is rewriting
-            committed = None
-        return {"step": latest["step"] if latest else None, "committed_step": committed}
+            return committed_step(self.folder.fs, self.folder.remote_path)
+        except Exception:  # noqa: BLE001 - the store's error, whatever its type
+            return None
 
     def end_attempt(self, end: dict[str, Any]) -> None:
         """The current attempt ended (a failure, or the run's end: finished, stopped)."""
