@@ -172,6 +172,9 @@ class _Env(SimpleNamespace):
     def log_event(self, record):
         self.events.append(record)
 
+    def asked_for_quorum(self):  # what fault.wait_for_replacement_at_step waits for
+        self.quorums_asked = getattr(self, "quorums_asked", 0) + 1
+
 
 class _Pool:
     def at_epoch(self, epoch: int) -> None:
@@ -250,6 +253,7 @@ def test_a_replacement_whose_heal_failed_waits_for_the_next_quorum_until_its_dea
     assert replica.unrestored and not env.events
     assert _join_quorum(env, replica, cfg, _Pool(), True, time.monotonic() - 1) == "wait"
     assert not replica.unrestored and env.events[0]["reason"] == "no heal within its deadline"
+    assert env.quorums_asked == 1  # a replacement says so at its first quorum only
     fresh = _replica(unrestored=True)
     assert _join_quorum(env, fresh, cfg, _Pool(), True, time.monotonic() + 600) == "train"
     assert fresh.t.state.step == 0 and not fresh.manager.errors

@@ -131,7 +131,10 @@ def check_in_place_recoveries(result, schedule: list[str], heal_at: int) -> None
     assert [f"{e['step']}:{e['kind']}:{e['participating_rank']}" for e in fired] == schedule
     first = fired[0]["step"]
     healed = [e for e in events if e["event"] == "healed" and e["step"] > 0]  # 0: a group start's
-    assert healed and first < healed[0]["step"] <= heal_at, healed
+    # the survivor waits after step heal_at until its replacement is about to ask for its first
+    # quorum; that request may still reach the lighthouse after the survivor's next one, a
+    # quorum of the survivor alone, and then joins the one after: at most a step later
+    assert healed and first < healed[0]["step"] <= heal_at + 1, healed
     sizes = {r["step"]: r["world_size"] for r in metrics(result) if "eval_loss" not in r}
     assert {sizes[s] for s in range(first + 1, healed[0]["step"] + 1)} == {1}
     assert sizes[healed[0]["step"] + 1] == 2

@@ -44,7 +44,7 @@ class FaultHooks:
         if f.wait_for_replacement_at_step == step:
             ray.get(self.log_event({"event": "waiting_for_replacement", "step": step}))
             self.step_ended(None)  # a wait for an event, not a hang: out of the watchdog's sight
-            while not ray.get(self.runlog.run_state.remote())["replacements"]:
+            while not ray.get(self.runlog.run_state.remote())["replacements_in_quorum"]:
                 time.sleep(0.1)
             self.step_began(step)
         hang = f.hang_at_step == step and f.hang_rank == self.world_rank

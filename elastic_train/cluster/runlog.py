@@ -63,6 +63,7 @@ class RunLog:
         self.group_ready: set[int] = set()  # ... its workers ready for their first quorum
         self.finished_step: int | None = None  # ... and where its training ended
         self.replacements = 0  # ... and how many lost workers were replaced in place
+        self.replacements_in_quorum = 0  # ... and of those, how many reached their first quorum
         self.replicas: dict[tuple[int, int], tuple[str, float]] = {}  # ... (rank, pid): (node, start)
         self.logged: dict[str, set[tuple[int, int]]] = {}  # ... "step"/"eval": (attempt, step) kept
         self._logged_lock = threading.Lock()  # ... taken by up to max_concurrency calls at once
@@ -169,6 +170,13 @@ class RunLog:
             self.replacements += 1
             return max(len(self.attempts) - 1, 0)
 
+    def replacement_in_quorum(self) -> None:
+        """In-place recovery: a replacement is about to ask for its first quorum (the test hook
+        fault.wait_for_replacement_at_step waits for this, not for the join: between the two the
+        replacement opens its data, and a survivor let go at the join formed a quorum alone)."""
+        with self._attempt_lock:
+            self.replacements_in_quorum += 1
+
     def register_replica(self, world_rank: int, pid: int, node_id: str, process_start: float) -> None:
         """In-place recovery: where a replica's process runs, should it have to be fenced."""
         self.replicas[(world_rank, pid)] = (node_id, process_start)
@@ -202,6 +210,7 @@ class RunLog:
         (attempt, step): `latest`), and the reason a worker gave for ending the run (`fatal`)."""
         latest = None if self.latest is None else (self.latest["attempt"], self.latest["step"])
         return {"finished_step": self.finished_step, "replacements": self.replacements,
+                "replacements_in_quorum": self.replacements_in_quorum,
                 "latest_step": None if self.latest is None else self.latest["step"],
                 "latest": latest, "fatal": self.fatal}
 

@@ -319,6 +319,9 @@ class RayWorkerEnv(FaultHooks, ResizeRequests):
     def mark_finished(self, step: int) -> None:
         ray.get(self.runlog.mark_finished.remote(step))
 
+    def asked_for_quorum(self) -> None:
+        self.runlog.replacement_in_quorum.remote()
+
     def claim_writer(self, what: str, attempt: int, step: int) -> bool:
         return ray.get(self.runlog.claim_writer.remote(what, attempt, step))
 

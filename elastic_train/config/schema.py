@@ -274,8 +274,9 @@ class FaultConfig:
     # test drains a node and takes it at the deadline)
     schedule: list[str] = field(default_factory=list)
     # test hook (in place: a replacement that surely joins before the run ends): a rank that ends
-    # this step waits until a replacement has joined the run (a lost rank never gets there, and
-    # a replacement heals to the survivors' step and goes on from the next)
+    # this step waits until a replacement has joined the run and reached its first quorum (a
+    # lost rank never gets there, and a replacement heals to the survivors' step and goes on from
+    # the next)
     wait_for_replacement_at_step: int | None = None
 
 

@@ -47,6 +47,7 @@ class Replica:
     # it restored the last checkpoint because no live replica held the run's state: it holds the
     # newest state there is, never "behind the run" (`settle_unrestored`)
     restored_for_all: bool = False
+    asked_for_quorum: bool = False  # a replacement: it said it asks for its first quorum
 
     def state_dict(self) -> dict[str, Any]:
         t = self.t
@@ -235,6 +236,7 @@ class InPlaceEnv(WorkerEnv, Protocol):
     def save_in_place(self, snap: dict[str, Any], step: int) -> None: ...  # outside Ray's barrier
     def wait_for_checkpoints(self) -> None: ...  # the periodic one in flight, written
     def maybe_crash_in_heal(self) -> None: ...  # test hook: die as a heal starts to arrive
+    def asked_for_quorum(self) -> None: ...  # a replacement is about to ask for its first quorum
     # too many non-finite steps in a row: roll back or stop, as the RunLog answers every replica
     # of the step (`participants`: world rank: pid) alike; raises either way
     def handle_nonfinite_in_place(self, step: int, participants: dict[int, int], ids: list[int],
