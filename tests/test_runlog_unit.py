@@ -148,6 +148,49 @@ def test_a_group_replaced_with_no_failure_is_a_resize_with_an_end(tmp_path):
     assert attempt_counts(attempts) == {"restarts": 2, "resumes": 0, "resizes": 1}
 
 
+def test_a_grow_whose_group_never_starts_is_waited_for_aloud_and_bounded(tmp_path):
+    """Ray Train shut a group down for a bigger one that does not start (its node went, and the
+    cluster is below scaling.min_workers: Ray's elastic policy waits, raising nothing): the
+    failure policy's start failure ends the replaced group's attempt as a resize, so the driver
+    says what it waits for and gives up after scaling.start_timeout_s; it said nothing, for ever,
+    taking the old group for running. A grow that starts at a later try is still a resize. In
+    place, a replacement's start failure ends nothing: the survivors train on."""
+    import io
+
+    from elastic_train.cluster.runwatch import FIRST_WAIT_LINE_S, RunWatch
+    from elastic_train.config import load_config
+    from elastic_train.observe.summary import attempt_counts
+
+    log = RunLogClass(str(tmp_path / "run"))
+    log.begin_attempt(1)
+    log.log_step(step_record(5))
+    log.record_failure({"kind": "start_timeout", "cause": "no room for 2 workers yet",
+                        "in_place": False})
+    attempts = json.loads((tmp_path / "run" / "attempts.json").read_text())
+    assert (attempts[0]["end"]["cause"], attempts[0]["end"]["step"]) == ("resize", 5)
+
+    stream, aborted = io.StringIO(), []
+    watch = RunWatch(load_config(None, ["scaling.start_timeout_s=100"]), None,
+                     abort=lambda: aborted.append(True), describe_wait=lambda: "1 CPU free of 2",
+                     stream=stream)
+    since = attempts[0]["end"]["time"]
+    watch._watch_start(attempts, since + FIRST_WAIT_LINE_S + 1)
+    assert stream.getvalue().startswith("waiting for workers (46 s of scaling.start_timeout_s=100)")
+    assert not aborted
+    watch._watch_start(attempts, since + 101)
+    assert aborted and "giving up: no room for the run's workers" in stream.getvalue()
+
+    log.begin_attempt(2)  # the grow, at a later try
+    attempts = json.loads((tmp_path / "run" / "attempts.json").read_text())
+    assert [a["cause"] for a in attempts] == ["start", "resize"] and "end" not in attempts[1]
+    assert attempt_counts(attempts) == {"restarts": 1, "resumes": 0, "resizes": 1}
+
+    in_place = RunLogClass(str(tmp_path / "in_place"))
+    in_place.begin_attempt(2)
+    in_place.record_failure({"kind": "start", "cause": "a worker did not start", "in_place": True})
+    assert "end" not in json.loads((tmp_path / "in_place" / "attempts.json").read_text())[0]
+
+
 def test_a_fault_is_claimed_once_by_callers_at_once(tmp_path):
     """claim_fault from four threads at once, for 400 keys: exactly one gets each fault (a fault
     fires once per run). The threads change places as often as they can; without the lock over

@@ -112,8 +112,9 @@ class RunLog:
                 # A failure reported late (its caller's call came after the new group began)
                 # turns both back into a failure and a restart (`record_failure`)
                 cause = "resize"
-                self._end_attempt({"cause": "resize", "step": self._step_reached(before),
-                                   "committed_step": self._committed()}, before)
+                self._end_resized(before)
+        elif before is not None and before["end"]["cause"] == "resize":
+            cause = "resize"  # a grow whose new group started only at a later try
         self.session_attempts += 1
         self.attempts.append({"attempt": len(self.attempts), "world_size": world_size,
                               "start_time": time.time(), "cause": cause, "session": self.session})
@@ -242,8 +243,21 @@ class RunLog:
                             self.attempts[after]["cause"] = "restart"
                     self._end_attempt({k: record.get(k) for k in ("cause", "rank", "node", "step",
                                                                   "committed_step")}, failed)
+            elif (record["kind"] in ("start", "start_timeout") and failed is not None
+                  and failed.get("session") == self.session and "end" not in failed
+                  and not record.get("in_place")):
+                # a group that failed to start while the last one had no end: Ray Train shut that
+                # one down for a grow (it starts groups only then, or after a failure, which ended
+                # the last one). It ends now, as a resize: else the driver took it for running
+                # and waited without a word or a bound for a group that never came (RunWatch)
+                self._end_resized(failed)
         self.failures.append(record)
         self.log_event({"event": "failure", **record})
+
+    def _end_resized(self, attempt: dict[str, Any]) -> None:
+        """`attempt`'s end: Ray Train's scaling policy shut its group down for a bigger one."""
+        self._end_attempt({"cause": "resize", "step": self._step_reached(attempt),
+                           "committed_step": self._committed()}, attempt)
 
     def _step_reached(self, attempt: dict[str, Any]) -> int | None:
         """The step `attempt` got to: its last record's (None without one)."""
