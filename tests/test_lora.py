@@ -70,6 +70,8 @@ def test_adapters_of_another_base_are_refused_by_name(llama_folder):
      "model.lora.load_in_4bit with train.sharding=fsdp"),
     (["model.lora.load_in_4bit=true"], "runs on GPU workers only"),
     (["model.lora.r=0", "model.base_dtype=bf16"], "model.base_dtype=bf16"),
+    (["scaling.use_gpu=true", "model.lora.load_in_4bit=true", "model.base_dtype=bf16"],
+     "model.base_dtype=bf16 does not apply to a 4-bit base"),
     (["model.lora.r=-1"], "model.lora.r must be >= 0"),
     (["model.base_dtype=fp16"], "model.base_dtype must be fp32 or bf16"),
     (["model.name=gpt", "scaling.use_gpu=true", "model.lora.load_in_4bit=true"],

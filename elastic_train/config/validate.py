@@ -441,6 +441,10 @@ def _validate_lora(m: ModelConfig) -> None:
              "(a full fine-tune keeps fp32 weights; use train.precision=bf16 for bf16 compute)")
     _require(lora.r > 0 or not lora.load_in_4bit,
              "model.lora.load_in_4bit (QLoRA) needs model.lora.r > 0")
+    _require(not lora.load_in_4bit or m.base_dtype == "fp32",
+             "model.base_dtype=bf16 does not apply to a 4-bit base (model.lora.load_in_4bit): its "
+             "weights are NF4 computing in bf16, and what is not 4-bit (embeddings, norms, the "
+             "head) stays fp32 for a stable update; drop model.base_dtype=bf16")
     _require(not lora.load_in_4bit or m.name == "hf",
              "model.lora.load_in_4bit (QLoRA) quantises a transformers model as it loads: set "
              f"model.name=hf (got {m.name!r})")
