@@ -114,12 +114,10 @@ def read_rows(stored: StoredTensor, start: int, end: int, out: torch.Tensor) -> 
 
 def _keep_rows(p: torch.Tensor, whole: torch.Tensor | None, stored: StoredTensor | None = None) -> None:
     """This rank's rows of `p` (all of them unsharded) from `whole`, or from the file."""
-    from torch.distributed.tensor import DTensor
-
-    from elastic_train.training.shardfiles import row_range
+    from elastic_train.training.shardfiles import is_dtensor, row_range
 
     local, start, end = p, 0, (p.shape[0] if p.dim() else 1)
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
         local = p.to_local()
         mesh = p.device_mesh
         start, end = row_range(p.shape[0], mesh.get_local_rank(), mesh.size())
@@ -214,13 +212,13 @@ class _OwnParametersOnly(TorchFunctionMode):
     build would silently differ from the unsharded one."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
+        from elastic_train.training.shardfiles import is_dtensor
 
         kwargs = kwargs or {}
         target = args[0] if args else kwargs.get("tensor")
         name = getattr(func, "__name__", "")
         in_place = name.endswith("_") and not name.startswith("__")  # normal_, init.xavier_uniform_
-        if in_place and isinstance(target, DTensor):
+        if in_place and is_dtensor(target):
             raise ValueError("model.name=hf with train.sharding=fsdp: this model's _init_weights "
                              "writes parameters of modules other than the one it initialises, so "
                              "its rows cannot be created rank by rank equal to an unsharded build")

@@ -19,8 +19,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from elastic_train.config import ConfigError
 from elastic_train.training.collectives import is_distributed, timed_all_reduce
@@ -42,6 +40,9 @@ def shard_frozen_base(root: nn.Module, model: LoraModel, *, exact: bool, reshard
     """`train.sharding=fsdp` with LoRA: the frozen base sharded by FSDP2 in its own dtype, the
     adapters left whole on every rank (this module's docstring; lora.py's, "With
     train.sharding=fsdp", says why). Returns the step's reduction for the adapters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     adapters = [p for p in model.parameters() if p.requires_grad]  # a list: the same order on every rank

@@ -182,9 +182,7 @@ def materialize(root: nn.Module, device: torch.device, model: nn.Module | None =
 def fill_initial_values(model: nn.Module) -> None:
     """`model.initial_value` of each parameter, in order, into its memory (`materialize`); a
     transformers model's values from its files or config (hfshards.fill_hf)."""
-    from torch.distributed.tensor import DTensor
-
-    from elastic_train.training.shardfiles import row_range
+    from elastic_train.training.shardfiles import is_dtensor, row_range
 
     if not callable(getattr(model, "initial_value", None)):
         from elastic_train.training.hfshards import fill_hf
@@ -195,7 +193,7 @@ def fill_initial_values(model: nn.Module) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             whole = model.initial_value(name, p.shape)
-            if isinstance(p, DTensor):
+            if is_dtensor(p):
                 rank, ranks = p.device_mesh.get_local_rank(), p.device_mesh.size()
                 start, end = row_range(p.shape[0], rank, ranks)
                 p.to_local().copy_(whole[start:end])

@@ -42,14 +42,11 @@ from a checkpoint of any world size and either sharding (shardfiles.py).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from elastic_train.training.checkpoint import (
     FORMAT_VERSION,
@@ -67,7 +64,11 @@ from elastic_train.training.checkpoint import (
 from elastic_train.training.collectives import is_distributed, timed_all_reduce
 from elastic_train.training.model import can_materialize, materialize, missing_module_classes
 from elastic_train.training.reduce import ExactGradSum
-from elastic_train.training.shardfiles import ShardedFiles, row_range, sharding_of
+from elastic_train.training.shardfiles import ShardedFiles, is_dtensor, row_range, sharding_of
+
+if TYPE_CHECKING:  # loaded by the runs that shard (shard_model): ~0.8 s of CPU a process
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
 
 
 def ensure_process_group(device: torch.device) -> None:
@@ -98,7 +99,7 @@ def find_blocks(model: nn.Module, names: list[str]) -> list[nn.Module]:
 def _to_float64(module: nn.Module) -> None:
     """The module's float parameters not yet sharded become float64 (the exact path's master)."""
     for p in module.parameters():
-        if not isinstance(p, DTensor) and p.is_floating_point():
+        if not is_dtensor(p) and p.is_floating_point():
             p.data = p.data.to(torch.float64)
 
 
@@ -111,6 +112,9 @@ def shard_model(root: nn.Module, model: nn.Module, *, exact: bool, precision: st
     can `materialize`, as the embedded GPT) is sharded there, and then each rank creates only its
     rows, equal to the bit to an unsharded build's (model.materialize). (LoRA: lorashard.py,
     from build.py.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
     ensure_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if exact:
@@ -162,6 +166,8 @@ def shard_units(root: nn.Module, model: nn.Module, blocks: list[nn.Module], *, m
     `ignored`: parameters left whole (LoRA's adapters). An output head is not resharded after its
     forward (its backward follows at once). On CPU each unit gathers and reduce-scatters a slice
     at a time (ChunkedAllGather, ChunkedReduceScatter), with no backward prefetch."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
     kwargs = {"mesh": mesh, "mp_policy": policy, "ignored_params": ignored}
     units = [(block, reshard_after_forward) for block in reversed(blocks)]
     units += [(leaf, reshard_after_forward and isinstance(leaf, nn.Embedding))
@@ -334,7 +340,7 @@ def row_norm(params: list[torch.Tensor], rank: int, world_size: int, device: tor
             rows_of_p = p.shape[0] if p.dim() else 1
             start, end = 0, rows_of_p  # a whole gradient's rows
             local = p.grad
-            if isinstance(local, DTensor):  # this rank's rows of it
+            if is_dtensor(local):  # this rank's rows of it
                 local = local.to_local()
                 start, end = row_range(p.shape[0], rank, world_size) if p.dim() else (0, 1)
             if local is not None and local.numel():
@@ -360,7 +366,7 @@ def clip_rows(params: list[torch.Tensor], max_norm: float, rank: int, world_size
             for p in params:
                 if p.grad is None:
                     continue
-                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                local = p.grad.to_local() if is_dtensor(p.grad) else p.grad
                 if local.dtype == torch.float32:
                     local.mul_(coef32)
                 else:
@@ -395,7 +401,7 @@ def adamw_step_in_float32(optimizer: torch.optim.Optimizer) -> None:
             for key in ("exp_avg", "exp_avg_sq"):
                 if state[key].dtype != torch.float32:  # restored in the master's dtype
                     state[key] = state[key].to(torch.float32)
-            local = [t.to_local() if isinstance(t, DTensor) else t
+            local = [t.to_local() if is_dtensor(t) else t
                      for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
             p32, g32, m32, v32 = (t.to(torch.float32) for t in local)
             adam([p32], [g32], [m32], [v32], [], [state["step"]], foreach=group.get("foreach"),
@@ -437,13 +443,13 @@ def sharded_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, train_s
     names = _parameter_names(model, optimizer)
     part, row_sharded = {}, []
     for name, t in model.state_dict().items():
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
             part[name] = _local_rows(t, shard, shards)
             row_sharded.append(name)
         elif shard == 0:
             part[name] = t
     optim = optimizer.state_dict()
-    state = {names[i]: {k: _local_rows(v, shard, shards) if isinstance(v, DTensor) else v
+    state = {names[i]: {k: _local_rows(v, shard, shards) if is_dtensor(v) else v
                         for k, v in entry.items()}
              for i, entry in optim["state"].items()}
     opt_part: dict[str, Any] = {"state": state}
@@ -465,10 +471,12 @@ def sharded_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, train_s
 def _holds_rows(model: nn.Module) -> bool:
     """Whether the model's state dict holds sharded tensors: not LoRA's, whose state dict is
     its whole adapters (the sharded base is never saved)."""
-    return any(isinstance(t, DTensor) for t in model.state_dict().values())
+    return any(is_dtensor(t) for t in model.state_dict().values())
 
 
 def _as_local(value: torch.Tensor, p: DTensor) -> DTensor:
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(value.to(p.device), p.device_mesh, p.placements, run_check=False,
                               shape=p.shape, stride=p.stride())
 
@@ -488,7 +496,7 @@ def load_sharded_checkpoint(directory: str | Path, model: nn.Module,
     whole = None if sharded else read_shards(directory, "model")
     with torch.no_grad():
         for name, t in model.state_dict().items():
-            if isinstance(t, DTensor):
+            if is_dtensor(t):
                 start, end = row_range(t.shape[0], rank, world_size)
                 rows = files.rows(name, start, end) if files else whole[name][start:end]
                 t.to_local().copy_(rows)
@@ -519,7 +527,7 @@ def _optimizer_rows(directory: str | Path, state: dict[str, Any], model: nn.Modu
             continue
         entry = {}
         for key, value in saved[names[i]].items():
-            per_element = isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(p, DTensor)
+            per_element = isinstance(value, torch.Tensor) and value.dim() > 0 and is_dtensor(p)
             if not per_element:
                 entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
                 continue
