@@ -197,7 +197,10 @@ def _settle(runlog, ray_log, summary: dict[str, Any] | None) -> bool:
         ray.get(runlog.write_file.remote("summary.json", json.dumps(summary, indent=2)))
         ray.get(runlog.finish_tracking.remote(summary))  # log.mlflow / log.wandb: bounded wait
         ray.get(runlog.end_attempt.remote({"cause": summary["status"]}))
-        ray.get(runlog.flush.remote())
+        try:
+            ray.get(runlog.flush.remote())
+        except ray.exceptions.RayTaskError as exc:  # the store refused the run folder's last upload
+            raise UploadFailed(str(getattr(exc, "cause", exc)), summary) from None
     return True
 
 
@@ -320,6 +323,16 @@ def _write_atomically(path: Path, text: str) -> None:
 
 class TrainingFailed(RuntimeError):
     """The run failed on the cluster; `summary` is what summary.json says."""
+
+    def __init__(self, reason: str, summary: dict[str, Any]) -> None:
+        super().__init__(reason)
+        self.summary = summary
+
+
+class UploadFailed(RuntimeError):
+    """The run ended (`summary`: what summary.json says) but the last upload of its remote run
+    folder failed: the message names the folder, the store's error and the staging copy that
+    holds every file. Not a failed run: the same command run again uploads them."""
 
     def __init__(self, reason: str, summary: dict[str, Any]) -> None:
         super().__init__(reason)

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped: stopped by SIGINT during {args.command}", file=sys.stderr)
         return 130
     except Exception as exc:  # a failed run: summary.json has the details
-        from elastic_train.api import TrainingFailed, TrainingStopped
+        from elastic_train.api import TrainingFailed, TrainingStopped, UploadFailed
 
         if isinstance(exc, TrainingStopped):  # summary.json says "stopped"
             import signal
@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + getattr(signal, exc.signal_name)
         if isinstance(exc, TrainingFailed):
             print(f"error: run failed: {exc}", file=sys.stderr)
+            return 1
+        if isinstance(exc, UploadFailed):  # the run ended; its folder's last upload did not
+            print(f"error: the run {exc.summary.get('status', 'ended')}, but {exc}", file=sys.stderr)
             return 1
         raise
 

@@ -337,3 +337,48 @@ def test_a_lost_controller_fails_the_run_with_its_summary(ray_cluster, small_dat
     killer.join()
     assert info.value.summary["status"] == "failed"
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_failed_last_upload_of_a_remote_run_folder_is_one_error_naming_its_staging_copy(
+        ray_cluster, tmp_path, capsys, monkeypatch):
+    """The run's end: its remote run folder's last upload fails (the store has a file where the
+    folder goes). The fit raises UploadFailed, one line naming the folder, the store's error and
+    the staging copy, which holds every file (summary.json too); the command line prints it as
+    one `error:` line, exit status 1. It was a traceback of Ray's."""
+    import ray
+
+    from elastic_train import cli
+    from elastic_train.api import UploadFailed, _settle
+    from elastic_train.cluster.runlog import RunLog
+
+    uri = "mock:///runs/upload"  # pyarrow's in-memory store, in the RunLog's own process
+    runlog = RunLog.remote(uri)
+    try:
+        ray.get(runlog.begin_attempt.remote(2))
+        staging = ray.get(runlog.local_folder.remote())
+
+        def refuse(self) -> None:  # a file where the run folder goes: every upload fails
+            fs = self.folder.fs
+            fs.delete_dir_contents("/runs", missing_dir_ok=True)
+            fs.create_dir("/runs")
+            with fs.open_output_stream(self.folder.remote_path) as f:
+                f.write(b"not a folder")
+
+        ray.get(runlog.__ray_call__.remote(refuse))
+        summary = {"status": "finished", "steps": 3}
+        with pytest.raises(UploadFailed) as raised:
+            _settle(runlog, None, summary)
+    finally:
+        ray.kill(runlog)
+    message = str(raised.value)
+    assert message.startswith(f"uploading run folder {uri} failed (") and "\n" not in message
+    assert f"every file is in its staging copy {staging}: run the same command again" in message
+    assert json.loads((Path(staging) / "summary.json").read_text()) == summary
+
+    def train_that_ends_so(args) -> int:  # the command's train, ending as the fit above did
+        raise raised.value
+
+    monkeypatch.setattr(cli, "_train", train_that_ends_so)
+    assert cli.main(["train"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: the run finished, but {message}"]

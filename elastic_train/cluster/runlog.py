@@ -556,10 +556,16 @@ class RunLog:
 
     def flush(self) -> None:
         """Take the records still held (`_in_order`), then upload the staging copy now, after
-        any upload running (the run's end: raises)."""
+        any upload running (the run's end: an OSError that names the run folder, the store's
+        error and where the staging copy is)."""
         self._take_all_held(waited_s=0)
         with self._sync_lock:
-            self.folder.sync()
+            try:
+                self.folder.sync()
+            except Exception as exc:  # noqa: BLE001 - the store's error, whatever its type
+                raise OSError(f"uploading run folder {self.folder.uri} failed ({exc}); every "
+                              f"file is in its staging copy {self.folder.local}: run the same "
+                              "command again once the store answers, and it uploads them") from None
             self._last_sync = time.time()
 
 

@@ -131,6 +131,7 @@ class RunFolder:
     Staged files, the journal and acceptance: see the module docstring."""
 
     def __init__(self, run_uri: str) -> None:
+        self.uri = run_uri
         self.fs, self.remote_path, self.is_local = split_uri(run_uri)
         if self.is_local:
             self.local = Path(self.remote_path)
