@@ -332,7 +332,7 @@ class TrainingFailed(RuntimeError):
 class UploadFailed(RuntimeError):
     """The run ended (`summary`: what summary.json says) but the last upload of its remote run
     folder failed: the message names the folder, the store's error and the staging copy that
-    holds every file. Not a failed run: the same command run again uploads them."""
+    holds every file. Not a failed run: its checkpoints are Ray's own uploads."""
 
     def __init__(self, reason: str, summary: dict[str, Any]) -> None:
         super().__init__(reason)

@@ -372,7 +372,8 @@ def test_a_failed_last_upload_of_a_remote_run_folder_is_one_error_naming_its_sta
         ray.kill(runlog)
     message = str(raised.value)
     assert message.startswith(f"uploading run folder {uri} failed (") and "\n" not in message
-    assert f"every file is in its staging copy {staging}: run the same command again" in message
+    assert message.endswith(f"every file is in its staging copy {staging}: copy them there once "
+                            "the store answers")
     assert json.loads((Path(staging) / "summary.json").read_text()) == summary
 
     def train_that_ends_so(args) -> int:  # the command's train, ending as the fit above did

@@ -564,8 +564,8 @@ class RunLog:
                 self.folder.sync()
             except Exception as exc:  # noqa: BLE001 - the store's error, whatever its type
                 raise OSError(f"uploading run folder {self.folder.uri} failed ({exc}); every "
-                              f"file is in its staging copy {self.folder.local}: run the same "
-                              "command again once the store answers, and it uploads them") from None
+                              f"file is in its staging copy {self.folder.local}: copy them there "
+                              "once the store answers") from None
             self._last_sync = time.time()
 
 
