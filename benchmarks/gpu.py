@@ -19,7 +19,8 @@ never past the budget left), and writes its JSON line as soon as it ends:
   `log.profile_steps`, rank 0).
 Every line holds tokens/s (real tokens, steady window: past the warm-up, before the profiled
 steps), MFU = flops_per_token x tokens/s / peak, with flops_per_token the project's
-`model_flops_per_token` (6 N + 12 L d T for the GPT, T = seq; 6 N for the hf model), the peak
+`model_flops_per_token` (6 N + 12 L d T, T = seq, one convention for the GPT and the hf
+model since 2026-12-07: the hf lines measured before were 6 N of all its parameters), the peak
 allocated bytes per parameter, and a torch.profiler summary (top kernels by CUDA time, the
 fraction of the step the GPU idles, the host call sites that synchronise). A last `pairs` line
 gives ours/bare per model and mode. Lines go to OUT/gpu.jsonl and (not a CPU smoke's)
@@ -217,7 +218,7 @@ def run_bare(args: argparse.Namespace, case: dict) -> dict:
                 step()
         sync()
     n = count_parameters(model)
-    fpt = model_flops_per_token(mcfg, seq, n)
+    fpt = model_flops_per_token(mcfg, seq, model)
     tps = k * rows * seq / steady_s
     return {"step_s": steady_s, "tokens_per_s": tps, "mfu": fpt * tps / args.peak,
             "flops_per_token": fpt, "parameters": n, "warmup_s": warmup_s,
@@ -275,8 +276,9 @@ def run_ours(args: argparse.Namespace, case: dict) -> dict:
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     summary = json.loads((run / "summary.json").read_text())
     with torch.device("meta"):
-        n = count_parameters(build_model(mcfg, seq))
-    fpt = model_flops_per_token(mcfg, seq, n)
+        meta = build_model(mcfg, seq)
+    n = count_parameters(meta)
+    fpt = model_flops_per_token(mcfg, seq, meta)
     # by the records' wall clock, as the bare loop's clock runs: a step's step_time_s stops before
     # its record is written and its hooks run (that tail is host_s), so rates from it ran ~1% high
     step_s = (steady[-1]["time"] - steady[0]["time"]) / (len(steady) - 1)

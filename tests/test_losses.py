@@ -109,11 +109,32 @@ def test_gradient_checkpointing_gives_the_same_gradient(name, llama_folder):
         torch.testing.assert_close(grads[1][key], g, rtol=1e-5, atol=1e-7)
 
 
-def test_flops_for_any_model_from_the_parameter_count(llama_folder):
+def test_flops_of_an_hf_model_follow_the_gpts_convention(llama_folder):
+    """6 N + 12 L d T for an hf model too (it was 6 x every parameter, the attention left out):
+    N its matmul weights, the untied input embedding and the norms left out; L and d from its
+    config. A model that says nothing of its attention gets 6 N (a lower bound)."""
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
-    model = build_model(ModelConfig(name="hf", path=llama_folder), 64)
-    n = count_parameters(model)
-    assert model_flops_per_token(ModelConfig(name="hf"), 64, n) == 6.0 * n
+    tied = build_model(ModelConfig(name="hf", path=llama_folder), 64)
+    untied = LlamaForCausalLM(type(tied.config)(**{**tied.config.to_dict(),
+                                                   "tie_word_embeddings": False}))
+    for model in (tied, untied):
+        _check_hf_flops(model)
+    user = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50))
+    assert model_flops_per_token(ModelConfig(name="pkg.mod:make"), 64, user) == 6.0 * 8 * 50
+
+
+def _check_hf_flops(model) -> None:
+    c = model.config
+    d, layers = c.hidden_size, c.num_hidden_layers
+    kv = c.num_key_value_heads * (d // c.num_attention_heads)
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * c.intermediate_size  # q, o, k, v; the MLP
+    n = layers * per_layer + c.vocab_size * d  # and the head (tied: the table counts as it)
+    norms = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    table = 0 if c.tie_word_embeddings else c.vocab_size * d  # an untied table does no matmul
+    assert count_parameters(model) == n + norms + table
+    assert model_flops_per_token(ModelConfig(name="hf"), 64, model) == 6.0 * n + 12.0 * layers * d * 64
 
 
 META_CHECK = """

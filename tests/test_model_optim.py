@@ -17,6 +17,7 @@ from elastic_train.config import ModelConfig, OptimConfig
 from elastic_train.training.model import (
     build_model,
     count_parameters,
+    matmul_parameters,
     model_flops_per_token,
     token_loss_sum,
 )
@@ -96,6 +97,9 @@ def test_flops_and_parameter_count() -> None:
     # 12 d^2 per layer + 256 x d tied head + 64 x d positions + 3 layer norms of 2 d.
     assert count_parameters(_model()) == 12 * 64 * 64 + 256 * 64 + MAX_SEQ_LEN * 64 + 3 * 128
     assert model_flops_per_token(MODEL, 64) == 6 * (12 * 64 * 64 + 256 * 64) + 12 * 64 * 64
+    # the closed form is the rule every model's count follows (model.matmul_parameters)
+    assert matmul_parameters(_model()) == 12 * 64 * 64 + 256 * 64
+    assert model_flops_per_token(MODEL, 64, _model()) == model_flops_per_token(MODEL, 64)
 
 
 def test_lr_schedule() -> None:

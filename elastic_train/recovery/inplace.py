@@ -57,7 +57,6 @@ from elastic_train.training.losses import LossFn
 from elastic_train.training.model import (
     BYTE_VOCAB,
     ModelFn,
-    count_parameters,
     input_embedding_rows,
     model_flops_per_token,
 )
@@ -253,8 +252,7 @@ def start_replica(cfg: Config, env: InPlaceEnv, model_fn: ModelFn | None,
     reader = make_reader("pyarrow", env.block_table, env.extra_columns,
                          input_embedding_rows(t.raw_model, cfg.model.vocab_size or BYTE_VOCAB))
     pool = PartitionPool(reader, stream_spec(cfg), cfg.data.pad_id or 0)
-    flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len,
-                                            count_parameters(t.raw_model))
+    flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len, t.raw_model)
     env.log_event({"event": "start", "attempt": attempt, "world_size": env.world_size,
                    "resumed_step": t.state.step, "rank": env.world_rank, "recovery": "in_place",
                    "joining": env.joining, "build_peak_rss_bytes": t.build_peak_bytes})

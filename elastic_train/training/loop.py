@@ -133,8 +133,7 @@ def train_loop(cfg: Config, env: WorkerEnv, model_fn: ModelFn | None = None,
     state, rank, world_size = t.state, env.world_rank, env.world_size
     attempt = env.begin_attempt()
     partitions = owned_partitions(rank, world_size, num_partitions(cfg))
-    flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len,
-                                            count_parameters(t.raw_model))
+    flops_per_token = model_flops_per_token(cfg.model, cfg.data.max_seq_len, t.raw_model)
     process = psutil.Process()
     state_logged = False  # optimizer-state bytes per parameter, logged once per attempt
     reader = make_reader(cfg.data.reader, env.block_table, env.extra_columns,

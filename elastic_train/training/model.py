@@ -414,17 +414,52 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def model_flops_per_token(model_cfg: ModelConfig, seq_len: int, num_parameters: int | None = None) -> float:
-    """Training FLOPs per token: PaLM appendix B, 6 N + 12 L d T, for the embedded GPT; 6 N from
-    the parameter count for any other model (the attention term left out: a lower bound).
+def matmul_parameters(model: nn.Module) -> int:
+    """The weights `model` multiplies by (PaLM appendix B's N): every parameter of two or more
+    dimensions once, but an embedding's table only when it is also an output layer's weight (a
+    tied head); a lookup table (an untied input embedding, positions), norms and biases do no
+    matmul. For the embedded GPT: 12 d^2 a layer + the vocab x d head, its closed form."""
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) in seen or p.dim() < 2:
+                continue
+            seen.add(id(p))
+            if isinstance(module, nn.Embedding) and id(p) not in heads:
+                continue
+            total += p.numel()
+    return total
 
-    N counts the weights used in matmuls: 12 d^2 per layer plus the (tied) vocab x d head; the
-    position table, layer norms and biases do no matmul and are left out. 12 L d T is the attention
-    score and value matmuls over a context of `seq_len`, forward and backward.
-    """
-    if model_cfg.name != "gpt":
-        return 6.0 * float(num_parameters or 0)
-    gpt = gpt_config(model_cfg)
-    n_layer, d = gpt.n_layer, gpt.d_model
-    n_matmul = 12 * n_layer * d * d + (model_cfg.vocab_size or BYTE_VOCAB) * d
-    return 6.0 * n_matmul + 12.0 * n_layer * d * seq_len
+
+def attention_shape(model_cfg: ModelConfig, model: nn.Module | None) -> tuple[int, int] | None:
+    """(layers, width) of the attention: the embedded GPT's, or a transformers config's
+    (`num_hidden_layers`, `hidden_size`, on the model or a module inside it, as under LoRA);
+    None for a model that says neither."""
+    if model_cfg.name == "gpt":
+        gpt = gpt_config(model_cfg)
+        return gpt.n_layer, gpt.d_model
+    for module in model.modules() if model is not None else ():
+        config = getattr(module, "config", None)
+        layers, width = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
+        if isinstance(layers, int) and isinstance(width, int):
+            return layers, width
+    return None
+
+
+def model_flops_per_token(model_cfg: ModelConfig, seq_len: int, model: nn.Module | None = None) -> float:
+    """Training FLOPs per token, one convention for every model: PaLM appendix B, 6 N + 12 L d T.
+    N: `matmul_parameters`; 12 L d T: the attention's score and value matmuls over a context of
+    `seq_len`, forward and backward, with L and d from `attention_shape` (left out for a model
+    that has none: a lower bound). The embedded GPT's is its closed form (no model needed):
+    6 (12 L d^2 + V d) + 12 L d T. Frozen weights (LoRA's base) count as trained ones: their
+    weight-gradient matmuls are not run, so there it is an upper bound."""
+    shape = attention_shape(model_cfg, model)
+    if model_cfg.name == "gpt":
+        n_layer, d = shape
+        n_matmul = 12 * n_layer * d * d + (model_cfg.vocab_size or BYTE_VOCAB) * d
+    else:
+        n_matmul = matmul_parameters(model) if model is not None else 0
+    attention = 12.0 * shape[0] * shape[1] * seq_len if shape is not None else 0.0
+    return 6.0 * n_matmul + attention
