@@ -135,6 +135,7 @@ def _check_hf_flops(model) -> None:
     table = 0 if c.tie_word_embeddings else c.vocab_size * d  # an untied table does no matmul
     assert count_parameters(model) == n + norms + table
     assert model_flops_per_token(ModelConfig(name="hf"), 64, model) == 6.0 * n + 12.0 * layers * d * 64
+    assert model_flops_per_token(ModelConfig(name="hf"), None, model) == 6.0 * n  # length unknown
 
 
 META_CHECK = """

@@ -448,11 +448,13 @@ def attention_shape(model_cfg: ModelConfig, model: nn.Module | None) -> tuple[in
     return None
 
 
-def model_flops_per_token(model_cfg: ModelConfig, seq_len: int, model: nn.Module | None = None) -> float:
+def model_flops_per_token(model_cfg: ModelConfig, seq_len: int | None,
+                          model: nn.Module | None = None) -> float:
     """Training FLOPs per token, one convention for every model: PaLM appendix B, 6 N + 12 L d T.
     N: `matmul_parameters`; 12 L d T: the attention's score and value matmuls over a context of
     `seq_len`, forward and backward, with L and d from `attention_shape` (left out for a model
-    that has none: a lower bound). The embedded GPT's is its closed form (no model needed):
+    that has none, or with no `seq_len`, a config the driver did not resolve: a lower bound).
+    The embedded GPT's is its closed form (no model needed):
     6 (12 L d^2 + V d) + 12 L d T. Frozen weights (LoRA's base) count as trained ones: their
     weight-gradient matmuls are not run, so there it is an upper bound."""
     shape = attention_shape(model_cfg, model)
@@ -461,5 +463,5 @@ def model_flops_per_token(model_cfg: ModelConfig, seq_len: int, model: nn.Module
         n_matmul = 12 * n_layer * d * d + (model_cfg.vocab_size or BYTE_VOCAB) * d
     else:
         n_matmul = matmul_parameters(model) if model is not None else 0
-    attention = 12.0 * shape[0] * shape[1] * seq_len if shape is not None else 0.0
+    attention = 12.0 * shape[0] * shape[1] * seq_len if shape is not None and seq_len else 0.0
     return 6.0 * n_matmul + attention
