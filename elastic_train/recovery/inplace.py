@@ -383,8 +383,8 @@ def _join_quorum(env: InPlaceEnv, replica: Replica, cfg: Config, pool: Partition
     every other replica was lost too; or a replacement not healed yet, see `settle_unrestored`)
     or "over" (the run ended while it started)."""
     manager = replica.manager
-    if env.joining and not replica.asked_for_quorum:  # before: start_quorum waits for the quorum
-        replica.asked_for_quorum = True
+    if env.joining and not replica.quorum_announced:  # before: start_quorum waits for the quorum
+        replica.quorum_announced = True
         env.asked_for_quorum()
     manager.start_quorum()
     if replica.healed_from_step is not None:

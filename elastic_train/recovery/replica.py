@@ -47,7 +47,7 @@ class Replica:
     # it restored the last checkpoint because no live replica held the run's state: it holds the
     # newest state there is, never "behind the run" (`settle_unrestored`)
     restored_for_all: bool = False
-    asked_for_quorum: bool = False  # a replacement: it said it asks for its first quorum
+    quorum_announced: bool = False  # a replacement: env.asked_for_quorum was called
 
     def state_dict(self) -> dict[str, Any]:
         t = self.t
