@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from elastic_train.config import Config
 from elastic_train.data.dataset import DatasetInfo
 from elastic_train.observe import provenance
 from elastic_train.observe.progress import Progress
-from elastic_train.observe.runfolder import run_uri, split_uri, upload_staging
+from elastic_train.observe.runfolder import join_uri, run_uri, split_uri, upload_staging
 from elastic_train.observe.summary import build_summary
 from elastic_train.preflight.finished import finished_message, finished_run
 from elastic_train.preflight.inputs import check_inputs, data_tables, run_horizon
@@ -111,7 +112,7 @@ def _train(cfg: Config, model_fn: ModelFn | None, loss_fn: LossFn | None,
     if done is not None:
         note = finished_message(cfg, done)
         logger.warning(note)
-        return TrainResult(done, run_uri(cfg), f"{run_uri(cfg)}/{done['checkpoint']}", note)
+        return TrainResult(done, run_uri(cfg), join_uri(run_uri(cfg), done["checkpoint"]), note)
     if progress is True:
         progress = Progress(cfg.train.max_steps, cfg.log.progress, cfg.log.print_every_steps)
     if isinstance(progress, Progress):
@@ -144,9 +145,10 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
     start = startup["ray_ready"] = time.time()
     start_coordinator()
     runlog = start_runlog(cfg)
-    trainer = settled = None
+    trainer = settled = staging = None
     try:
         folder = ray.get(runlog.local_folder.remote())  # a remote run's staging copy, uploaded by flush
+        staging = folder if "://" in run_uri(cfg) else None
         ray_log.open(os.path.join(folder, RAY_LOG))
         save_config(cfg, runlog)
         record = provenance.driver_record(info, data_tables(cfg, info).eval_info)
@@ -181,15 +183,19 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
             abort_controller(trainer.controller)  # a run that did not end by itself
         if settled is None:  # ended by an exception: the staged files are promoted or removed
             with contextlib.suppress(Exception):  # left staged, the next fit removes them
-                _settle(runlog, ray_log, None)
+                settled = _settle(runlog, ray_log, None)
         ray.kill(runlog)
+        if staging is not None and settled is not None:  # the store holds all the copy had
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _settle(runlog, ray_log, summary: dict[str, Any] | None) -> bool:
     """The fit is over. An accepted run, or a new run's folder, keeps this fit's files and gets
-    its summary.json; a resume that never began (its checkpoint or model refused by the workers,
-    or stopped or failed before its first attempt) leaves the earlier run's folder as it was,
-    summary.json and ray.log included (runfolder.py). True if the files were kept."""
+    its summary.json (none: a driver's error ended the fit); a resume that never began (its
+    checkpoint or model refused by the workers, or stopped or failed before its first attempt)
+    leaves the earlier run's folder as it was, summary.json and ray.log included (runfolder.py).
+    True if the files were kept, and then uploaded (a remote run folder: UploadFailed if they
+    were not, its staging copy kept); False if this fit left none."""
     if not ray.get(runlog.settle.remote()):
         ray_log.discard()
         return False
@@ -197,10 +203,10 @@ def _settle(runlog, ray_log, summary: dict[str, Any] | None) -> bool:
         ray.get(runlog.write_file.remote("summary.json", json.dumps(summary, indent=2)))
         ray.get(runlog.finish_tracking.remote(summary))  # log.mlflow / log.wandb: bounded wait
         ray.get(runlog.end_attempt.remote({"cause": summary["status"]}))
-        try:
-            ray.get(runlog.flush.remote())
-        except ray.exceptions.RayTaskError as exc:  # the store refused the run folder's last upload
-            raise UploadFailed(str(getattr(exc, "cause", exc)), summary) from None
+    try:
+        ray.get(runlog.flush.remote())
+    except ray.exceptions.RayTaskError as exc:  # the store refused the run folder's last upload
+        raise UploadFailed(str(getattr(exc, "cause", exc)), summary or {}) from None
     return True
 
 
@@ -286,7 +292,7 @@ def _stopped_summary(cfg: Config, folder: str, start: float, record: dict[str, A
     except (OSError, ValueError) as exc:
         return f": summary.json not written ({exc})"
     return ": summary.json written from the run folder" + ("" if "://" not in run_uri(cfg) else
-                                                          "'s staging copy")
+                                                          f"'s staging copy {folder}")
 
 
 def _end_without_cluster(signal_name: str, written: str,
@@ -308,7 +314,7 @@ def _end_without_cluster(signal_name: str, written: str,
             upload()
             written += " and uploaded"
         except OSError as exc:
-            written += f" but not uploaded ({exc})"
+            written += f" but not uploaded ({exc}): copy that folder there once the store answers"
     print(f"stopped by {signal_name}; the local Ray cluster went down with the driver{written}",
           file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -340,7 +340,7 @@ def remote_lease(monkeypatch):
 
     store, _ = pafs.FileSystem.from_uri("mock:///runs")
     store.create_dir("runs")
-    monkeypatch.setattr(runlock, "split_uri", lambda uri: (store, "runs", False))
+    monkeypatch.setattr(runlock, "split_uri", lambda uri: (store, "runs/shared", False))
     monkeypatch.setattr(runlock, "LEASE_RENEW_S", 0.1)
     monkeypatch.setattr(runlock, "LEASE_SILENT_S", 1.0)
     monkeypatch.setattr(runlock, "LEASE_SETTLE_S", 0.2)
@@ -451,8 +451,9 @@ def test_a_remote_runs_stopped_summary_is_written_to_its_staging_copy_and_upload
          "lr": 1e-3, "real_tokens": 100, "padded_tokens": 120, "step_time_s": 0.5,
          "data_wait_s": 0.01, "tokens_per_s": 200.0, "skipped_steps": 0}) + "\n")
     written = api._stopped_summary(cfg, str(staging), start, {}, "SIGTERM")
-    assert written == ": summary.json written from the run folder's staging copy"
+    assert written == f": summary.json written from the run folder's staging copy {staging}"
     functools.partial(runfolder.upload_staging, str(staging), runfolder.run_uri(cfg))()
+    assert not staging.exists()  # uploaded, the copy is removed
     with store.open_input_stream("runs/r/summary.json") as f:
         summary = json.loads(f.read())
     with store.open_input_stream("runs/r/attempts.json") as f:
@@ -545,3 +546,21 @@ def test_a_remote_run_folder_gets_whole_files_only_and_its_summary_last(tmp_path
     assert sorted(listed) == ["runs/r/attempts.json", "runs/r/metrics.jsonl", "runs/r/summary.json",
                               "runs/r/wandb/offline-run-1/run-1.wandb"]
     assert all(listed["runs/r/summary.json"].mtime >= info.mtime for info in listed.values())
+
+
+def test_a_uri_run_folder_keeps_the_stores_options_after_the_run_name(tmp_path):
+    """An S3-compatible store named with its options (MinIO: endpoint_override, scheme, region):
+    the run folder, and what lies in it, go before them; they were put after the options
+    (`...&scheme=http/r`), where pyarrow took them for an option and the folder for the bucket's
+    root on AWS."""
+    from elastic_train.observe.runfolder import join_uri, run_uri
+
+    store = "s3://bucket/runs?endpoint_override=minio:9000&scheme=http"
+    cfg = load_config(None, [f"run.storage_path={store}", "run.name=r"])
+    assert run_uri(cfg) == "s3://bucket/runs/r?endpoint_override=minio:9000&scheme=http"
+    assert join_uri(run_uri(cfg), "compile_cache", "x") == (
+        "s3://bucket/runs/r/compile_cache/x?endpoint_override=minio:9000&scheme=http")
+    assert join_uri("s3://bucket/runs/", "r") == "s3://bucket/runs/r"
+    assert join_uri("/data/runs?odd", "r") == "/data/runs?odd/r"  # a local name may hold a '?'
+    local = load_config(None, [f"run.storage_path={tmp_path}/", "run.name=r"])
+    assert run_uri(local) == f"{tmp_path}/r"

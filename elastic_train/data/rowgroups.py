@@ -32,13 +32,19 @@ def auto_rows_per_block(rows: int) -> int:
 
 @dataclass(frozen=True)
 class BlockTable:
-    """Every block of a data set: shard file (its path for workers), row group, rows, tokens."""
+    """Every block of a data set: shard file, row group, rows, tokens. `files` name the shards
+    (a local path, or a URI without its options: what errors show); a remote data set's workers
+    open `paths` in `filesystem`, the one the data set was found in, options and all (an S3
+    store's endpoint_override, region and keys: a URI rebuilt from the path alone would send them
+    to AWS)."""
 
     files: tuple[str, ...]
     file_index: np.ndarray
     row_group: np.ndarray
     rows: np.ndarray
     tokens: np.ndarray
+    filesystem: pafs.FileSystem | None = None  # None: `files` are local paths
+    paths: tuple[str, ...] = ()  # the shards inside `filesystem`
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -47,7 +53,7 @@ class BlockTable:
         """A table of only `blocks` (indices into this one), in that order."""
         blocks = np.asarray(blocks, dtype=np.int64)
         return BlockTable(self.files, self.file_index[blocks], self.row_group[blocks],
-                          self.rows[blocks], self.tokens[blocks])
+                          self.rows[blocks], self.tokens[blocks], self.filesystem, self.paths)
 
 
 def hold_out(table: BlockTable, fraction: float) -> tuple[BlockTable, BlockTable]:
@@ -92,7 +98,9 @@ def build_block_table(filesystem: pafs.FileSystem, files: list[str], uris: list[
                 rows.append(n)
                 tokens.append(_row_group_tokens(meta.row_group(g), n))
     as_array = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-    return BlockTable(tuple(uris), as_array(index), as_array(groups), as_array(rows), as_array(tokens))
+    local = isinstance(filesystem, pafs.LocalFileSystem)
+    return BlockTable(tuple(uris), as_array(index), as_array(groups), as_array(rows),
+                      as_array(tokens), None if local else filesystem, () if local else tuple(files))
 
 
 def read_row_group(table: BlockTable, block: int, columns: list[str],
@@ -101,12 +109,10 @@ def read_row_group(table: BlockTable, block: int, columns: list[str],
     i = int(table.file_index[block])
     pf = (cache or {}).get(i)
     if pf is None:
-        uri = table.files[i]
-        if "://" in uri:
-            fs, path = pafs.FileSystem.from_uri(uri)
-            pf = pq.ParquetFile(fs.open_input_file(path))
+        if table.filesystem is None:
+            pf = pq.ParquetFile(table.files[i])
         else:
-            pf = pq.ParquetFile(uri)
+            pf = pq.ParquetFile(table.filesystem.open_input_file(table.paths[i]))
         if cache is not None:
             cache[i] = pf
     group = int(table.row_group[block])

@@ -43,7 +43,14 @@ def run_uri(cfg: Config) -> str:
     storage = cfg.run.storage_path
     if "://" not in storage:
         storage = os.path.abspath(os.path.expanduser(storage))
-    return storage.rstrip("/") + "/" + cfg.run.name
+    return join_uri(storage, cfg.run.name)
+
+
+def join_uri(base: str, *names: str) -> str:
+    """`base/names...`, for a local path or a pyarrow.fs URI; a URI's options stay at its end
+    (`s3://b/runs?endpoint_override=host:9000` + `r` is `s3://b/runs/r?endpoint_override=...`)."""
+    head, mark, options = base.partition("?") if "://" in base else (base, "", "")
+    return "/".join([head.rstrip("/"), *names]) + mark + options
 
 
 def split_uri(path: str) -> tuple[pafs.FileSystem, str, bool]:
@@ -265,6 +272,8 @@ def upload_copy(local: str, fs: pafs.FileSystem, remote_path: str) -> None:
 
 
 def upload_staging(local: str, run: str) -> None:
-    """`upload_copy` of the staging copy `local` to run folder URI `run`."""
+    """`upload_copy` of the staging copy `local` to run folder URI `run`, then the copy removed
+    (the store holds all it had); an OSError leaves it."""
     fs, remote_path, _ = split_uri(run)
     upload_copy(local, fs, remote_path)
+    shutil.rmtree(local, ignore_errors=True)

@@ -51,8 +51,8 @@ class RunLock:
 
     def __init__(self, cfg: Config) -> None:
         self.uri = run_uri(cfg)
-        storage, _, name = self.uri.rpartition("/")
-        fs, storage_path, is_local = split_uri(storage)
+        fs, run_path, is_local = split_uri(self.uri)
+        storage_path, _, name = run_path.rpartition("/")
         self.path = os.path.join(storage_path, f".{name}.lock") if is_local else None
         self._lease = None if is_local else _Lease(fs, f"{storage_path}/.{name}.lease", self.uri)
         self._fd: int | None = None

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from elastic_train.config import Config
-from elastic_train.observe.runfolder import run_uri, split_uri
+from elastic_train.observe.runfolder import join_uri, run_uri, split_uri
 from elastic_train.training.losses import chunked_head_applies, hf_model_of
 
 CACHE_SUBFOLDER = "compile_cache"  # in the run folder: one mega-cache file per rank that compiled
@@ -138,7 +138,7 @@ class CompileWatch:
 def _saved_folder(cfg: Config) -> str:
     """Where the run folder keeps saved artifacts: per torch version (another's never match)."""
     fs_version = torch.__version__.replace("+", "_")
-    return f"{run_uri(cfg)}/{CACHE_SUBFOLDER}/torch-{fs_version}"
+    return join_uri(run_uri(cfg), CACHE_SUBFOLDER, f"torch-{fs_version}")
 
 
 def _read_saved(cfg: Config) -> list[bytes]:
