@@ -5,26 +5,33 @@ ends with the weights of one process that was never interrupted, to the bit, the
 at every step, and every checkpoint's data cursors equal to that process's at the same step.
 The schedules are a seeded draw (recovery/chaos.py), the same one benchmarks/soak.py runs many
 of; CI runs the fixed seeds here: LoRA on a Llama, fsdp, and in place (the default model's
-schedule is the fixed one of the first test: each kind once)."""
+schedule is the fixed one of the first test: each kind once, on an S3-compatible store)."""
 
 from __future__ import annotations
 
+import json
+import sysconfig
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import TINY, prepare_sft_pairs
 from localenv import train_locally
+from s3store import downloaded, s3_server, staging_copies
 from test_train_ray import metrics, read_events
 from uninterrupted import check_against_uninterrupted, uninterrupted_ray_run
 
 from elastic_train import load_config
 from elastic_train.api import TrainingStopped, train
+from elastic_train.cli import main
+from elastic_train.cluster.prepare_ray import prepare_ray
 from elastic_train.config import config_from_dict
 from elastic_train.recovery.chaos import draw_fault_schedule
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos]
 
+STDLIB_TEXTS = [Path(sysconfig.get_paths()["stdlib"]) / name for name in (
+    "textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "heapq.py", "glob.py", "colorsys.py")]
 COMMON = ["data.record_ids=true", "checkpoint.every_steps=4", "checkpoint.keep=100",
           "scaling.max_failures=4"]
 
@@ -55,18 +62,35 @@ def check_ledger(result, schedule: list[str], stops: int) -> None:
     assert [e["resumed_step"] for e in starts[1:]] == [e["committed_step"] for e in injected]
 
 
-def test_three_recoveries_in_a_row_end_on_the_uninterrupted_run(ray_cluster, small_dataset, tmp_path):
+def test_three_recoveries_in_a_row_on_an_s3_store_end_on_the_uninterrupted_run(
+        ray_cluster, tmp_path, capsys):
     """The issue's run: the crash hook at step 25, a worker SIGKILLed after step 45, the driver
-    SIGTERMed after step 68 and the command run again, over four epochs (88 steps)."""
+    SIGTERMed after step 68 and the command run again, over four epochs (88 steps). As on a
+    cluster of several nodes, its data and run folder live on an S3-compatible store named with
+    its options (s3store.py): `prepare --engine ray` writes the corpus there, every recovery
+    restores the store's checkpoint, and the command run again takes the folder's lease and
+    downloads its files. Each fit's staging copy of the run folder is removed once its last
+    upload is in; `export` reads the folder from the store."""
     schedule = ["25:crash:1", "45:kill:0", "68:stop:1"]
-    overrides = [*TINY, *COMMON, f"data.path={small_dataset}", f"run.storage_path={tmp_path}",
-                 "run.name=series", "train.epochs=4", "train.max_steps=1000",
-                 f"fault.schedule=[{', '.join(schedule)}]"]
-    result, stops = run_to_the_end(overrides)
-    assert result.summary["status"] == "finished" and result.summary["steps"] > 80
-    reference = train_locally(load_config(None, overrides))
-    check_against_uninterrupted(result, reference)
-    check_ledger(result, schedule, stops)
+    with s3_server(tmp_path / "s3.log") as s3:
+        stats = prepare_ray(STDLIB_TEXTS, s3("data/corpus"), max_seq_len=128, rows_per_shard=600,
+                            rows_per_block=32, progress=False)
+        assert stats["rows"] > 500
+        overrides = [*TINY, *COMMON, f"data.path={s3('data/corpus')}",
+                     f"run.storage_path={s3('runs')}", "run.name=series", "train.epochs=4",
+                     "train.max_steps=1000", f"fault.schedule=[{', '.join(schedule)}]"]
+        result, stops = run_to_the_end(overrides)
+        assert result.summary["status"] == "finished" and result.summary["steps"] > 80
+        assert result.run_dir == s3("runs/series")  # the store's options after the run's name
+        assert staging_copies("series") == []
+        local = downloaded(s3.fs, result.run_dir, result, tmp_path / "series")
+        assert json.loads((Path(local.run_dir) / "summary.json").read_text()) == result.summary
+        reference = train_locally(load_config(None, overrides))  # the store's corpus too
+        capsys.readouterr()
+        assert main(["export", result.run_dir, "--output", str(tmp_path / "export")]) == 0
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    check_against_uninterrupted(local, reference)
+    check_ledger(local, schedule, stops)
     assert result.summary["world_sizes"] == [2, 2, 2, 2]
 
 
