@@ -65,22 +65,24 @@ def check_ledger(result, schedule: list[str], stops: int) -> None:
 def test_three_recoveries_in_a_row_on_an_s3_store_end_on_the_uninterrupted_run(
         ray_cluster, tmp_path, capsys):
     """The issue's run: the crash hook at step 25, a worker SIGKILLed after step 45, the driver
-    SIGTERMed after step 68 and the command run again, over four epochs (88 steps). As on a
+    SIGTERMed after step 68 and the command run again, over four epochs (~80 steps). As on a
     cluster of several nodes, its data and run folder live on an S3-compatible store named with
-    its options (s3store.py): `prepare --engine ray` writes the corpus there, every recovery
+    its options (s3store.py): `prepare --engine ray` writes the corpus and its held-out documents
+    there (evaluated every 30 steps, as the uninterrupted run does), every recovery
     restores the store's checkpoint, and the command run again takes the folder's lease and
     downloads its files. Each fit's staging copy of the run folder is removed once its last
     upload is in; `export` reads the folder from the store."""
     schedule = ["25:crash:1", "45:kill:0", "68:stop:1"]
     with s3_server(tmp_path / "s3.log") as s3:
         stats = prepare_ray(STDLIB_TEXTS, s3("data/corpus"), max_seq_len=128, rows_per_shard=600,
-                            rows_per_block=32, progress=False)
-        assert stats["rows"] > 500
-        overrides = [*TINY, *COMMON, f"data.path={s3('data/corpus')}",
-                     f"run.storage_path={s3('runs')}", "run.name=series", "train.epochs=4",
-                     "train.max_steps=1000", f"fault.schedule=[{', '.join(schedule)}]"]
+                            rows_per_block=32, eval_fraction=0.05, progress=False)
+        assert stats["rows"] > 500 and stats["eval"]["rows"] > 0
+        overrides = [*TINY, *COMMON, f"data.path={s3('data/corpus')}", "eval.fraction=0.05",
+                     "eval.every_steps=30", f"run.storage_path={s3('runs')}", "run.name=series",
+                     "train.epochs=4", "train.max_steps=1000",
+                     f"fault.schedule=[{', '.join(schedule)}]"]
         result, stops = run_to_the_end(overrides)
-        assert result.summary["status"] == "finished" and result.summary["steps"] > 80
+        assert result.summary["status"] == "finished" and result.summary["steps"] > 75
         assert result.run_dir == s3("runs/series")  # the store's options after the run's name
         assert staging_copies("series") == []
         local = downloaded(s3.fs, result.run_dir, result, tmp_path / "series")
@@ -92,6 +94,9 @@ def test_three_recoveries_in_a_row_on_an_s3_store_end_on_the_uninterrupted_run(
     check_against_uninterrupted(local, reference)
     check_ledger(local, schedule, stops)
     assert result.summary["world_sizes"] == [2, 2, 2, 2]
+    evals = {r["step"]: r["eval_loss"] for r in metrics(local) if "eval_loss" in r}
+    assert evals == {r["step"]: r["eval_loss"] for r in reference.evals}  # the store's eval/ set
+    assert sorted(evals) == [30, 60, result.summary["steps"]]
 
 
 # in place, seed 19 draws 7:crash:1, 16:kill:0, 28:kill:0: the first fault's survivor waits for

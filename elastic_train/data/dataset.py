@@ -69,6 +69,13 @@ class DatasetInfo:
     eval_split: dict | None = None
 
 
+def join_uri(base: str, *names: str) -> str:
+    """`base/names...`, for a local path or a pyarrow.fs URI; a URI's options stay at its end
+    (`s3://b/runs?endpoint_override=host:9000` + `r` is `s3://b/runs/r?endpoint_override=...`)."""
+    head, mark, options = base.partition("?") if "://" in base else (base, "", "")
+    return "/".join([head.rstrip("/"), *names]) + mark + options
+
+
 def _resolve_dataset_path(path: str) -> tuple[pafs.FileSystem, str]:
     """A pyarrow filesystem and the path inside it, for a URI or a plain local path."""
     if "://" in path:
@@ -157,21 +164,23 @@ def _int_or_none(mapping: dict, key: str) -> int | None:
     return value
 
 
-def _recorded_split(stats: dict, root: str) -> dict | None:
-    """The `eval` section of `_prepare.json`, its path made one inside the filesystem."""
+def _recorded_split(stats: dict, folder: str) -> dict | None:
+    """The `eval` section of `_prepare.json`, its path made one as the data set's `folder` is
+    given (a local path, or a URI with its options: a path inside the store was taken for a
+    local one)."""
     split = stats.get("eval")
     if split is None:
         return None
     if not isinstance(split, dict) or not isinstance(split.get("path"), str) or not isinstance(
             split.get("fraction"), int | float):
         raise ValueError(f"'eval' is {split!r}, not an object with a 'path' and a 'fraction'")
-    return {**split, "path": f"{root}/{split['path']}"}
+    return {**split, "path": join_uri(folder, split["path"])}
 
 
-def _recorded(fs: pafs.FileSystem, root: str) -> dict:
-    """DatasetInfo's fields that `_prepare.json` and `tokenizer/` in folder `root` give: the
-    tokenizer's, max_seq_len, the held-out split (all None without `_prepare.json`).
-    ValueError naming `_prepare.json` if it is corrupt."""
+def _recorded(fs: pafs.FileSystem, root: str, folder: str) -> dict:
+    """DatasetInfo's fields that `_prepare.json` and `tokenizer/` in folder `root` (of `fs`;
+    `folder`: a URI as given, else `root`) give: the tokenizer's, max_seq_len, the held-out
+    split (all None without `_prepare.json`). ValueError naming `_prepare.json` if corrupt."""
     fields = dict.fromkeys(("vocab_size", "max_token_id", "eos_id", "pad_id", "tokenizer_kind",
                             "tokenizer_path", "max_seq_len", "eval_split"))
     stats_path = f"{root}/{STATS_FILE}"
@@ -192,7 +201,7 @@ def _recorded(fs: pafs.FileSystem, root: str) -> dict:
                       max_token_id=_int_or_none(stats, "max_token_id"),
                       tokenizer_kind=section["kind"],
                       max_seq_len=_int_or_none(stats, "max_seq_len"),
-                      eval_split=_recorded_split(stats, root))
+                      eval_split=_recorded_split(stats, folder))
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"dataset file '{stats_path}' is corrupt: {exc}") from exc
     copy = f"{root}/{TOKENIZER_DIR}"
@@ -234,7 +243,7 @@ def inspect_dataset(path: str) -> DatasetInfo:
     if rows == 0:
         raise ValueError(f"dataset '{path}' is empty: its Parquet files hold no rows")
     is_folder = fs.get_file_info(root).type == pafs.FileType.Directory
-    recorded = _recorded(fs, root) if is_folder else {}
+    recorded = _recorded(fs, root, str(path) if "://" in str(path) else root) if is_folder else {}
     if is_folder and fs.get_file_info(f"{root}/{PENDING_FILE}").type != pafs.FileType.NotFound:
         raise ValueError(f"dataset '{path}' is an unfinished prepare output: it still holds "
                          f"{PENDING_FILE}, which prepare removes when it has written everything "

@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from elastic_train.config import Config, check_run_name
+from elastic_train.data.dataset import join_uri
 
 PENDING = ".pending"  # a staged file's suffix until the run is accepted
 # What the workers write straight into the run folder, never through the RunLog: Ray's and the
@@ -44,13 +45,6 @@ def run_uri(cfg: Config) -> str:
     if "://" not in storage:
         storage = os.path.abspath(os.path.expanduser(storage))
     return join_uri(storage, cfg.run.name)
-
-
-def join_uri(base: str, *names: str) -> str:
-    """`base/names...`, for a local path or a pyarrow.fs URI; a URI's options stay at its end
-    (`s3://b/runs?endpoint_override=host:9000` + `r` is `s3://b/runs/r?endpoint_override=...`)."""
-    head, mark, options = base.partition("?") if "://" in base else (base, "", "")
-    return "/".join([head.rstrip("/"), *names]) + mark + options
 
 
 def split_uri(path: str) -> tuple[pafs.FileSystem, str, bool]:
