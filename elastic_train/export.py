@@ -61,7 +61,7 @@ from elastic_train.training.checkpoint import (
     read_state,
     signature_mismatch,
 )
-from elastic_train.training.lora import BASE_KEY, LoraModel, another_base_error
+from elastic_train.training.lora import BASE_KEY, LoraModel, another_base_error, require_peft
 from elastic_train.training.losses import (
     forward,
 )
@@ -331,15 +331,14 @@ def load_exported(folder: Path, model_fn: ModelFn | None = None) -> TrainedModel
 
     transformers_logging.disable_progress_bar()  # "Loading weights": sample prints the text alone
     if (folder / "adapter_config.json").is_file():
-        from peft import PeftConfig, PeftModel
-
-        base_path = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
+        peft = require_peft()  # bitsandbytes first, with the Hub off
+        base_path = peft.PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
         if not base_path:
             raise ValueError(f"export '{folder}' holds LoRA adapters of a model that is not a "
                              "transformers one: sample its run folder, or export it with --merge")
         base = AutoModelForCausalLM.from_pretrained(_adapter_base(folder, base_path),
                                                     local_files_only=True)
-        model = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+        model = peft.PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
     cfg = config_from_dict({"model": {"name": "hf", "path": str(folder)}})

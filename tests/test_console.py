@@ -209,6 +209,8 @@ def test_libraries_notices_in_workers_reach_ray_log_only():
     noise = [
         "Failed to load CPU gemm_4bit_forward from kernels-community: Kernel repository ... "
         "Please make sure you already `pip install kernels` and the kernels >= 0.11.1",
+        "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' "
+        "because Hugging Face Hub is in offline mode.",
         "Loading weights: 100%|██████████| 3/3 [00:00<00:00, 1234.56it/s]",
         "/venv/lib/python3.11/site-packages/transformers/x.py:12: FutureWarning: `foo` is "
         "deprecated", "  warnings.warn(",

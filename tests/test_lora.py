@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -370,3 +373,48 @@ def test_qlora_on_a_folder_without_weights_is_refused_on_the_driver(llama_folder
     shutil.copy(f"{llama_folder}/config.json", tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     check_qlora_inputs(lora_cfg(str(tmp_path), *qlora))  # weights to quantise
+
+
+HUB_LOOKUPS = """
+import socket, sys
+hosts = []
+resolve = socket.getaddrinfo
+def record(host, *args, **kwargs):
+    hosts.append(host)
+    return resolve(host, *args, **kwargs)
+socket.getaddrinfo = record
+{code}
+print("HOSTS", sorted(set(hosts)))
+"""
+
+
+def _hosts_looked_up(code: str) -> list[str]:
+    import ast
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", HUB_LOOKUPS.format(code=code)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return ast.literal_eval(done.stdout.rsplit("HOSTS ", 1)[1])
+
+
+def test_lora_and_8bit_adam_ask_the_hugging_face_hub_for_nothing(llama_folder):
+    """bitsandbytes' import asks the Hub for a CPU kernel where the CPU has AVX512-BF16 (code
+    downloaded at run time, or a wait without internet), and peft imports it to wrap any model:
+    every LoRA run's driver and workers looked up huggingface.co. A LoRA model and the 8-bit
+    AdamW are built here, in a fresh process, with no lookup; the plain import beside it, on
+    such a CPU, makes one (the control), and a user's HF_HUB_OFFLINE stays as it was."""
+    ours = _hosts_looked_up(
+        "import torch\n"
+        "from elastic_train import load_config\n"
+        "from elastic_train.training.model import build_model\n"
+        "from elastic_train.training.optim import build_optimizer\n"
+        f"cfg = load_config(None, ['model.name=hf', 'model.path={llama_folder}', "
+        "'model.lora.r=4', 'model.lora.target_modules=[q_proj]', 'optim.name=adamw8bit'])\n"
+        "model = build_model(cfg.model, 64)\n"
+        "build_optimizer(model, cfg.optim, False)\n"
+        "import huggingface_hub.constants as hub\n"
+        "assert not hub.HF_HUB_OFFLINE and 'bitsandbytes' in sys.modules\n")
+    assert ours == []
+    avx512_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    assert ("huggingface.co" in _hosts_looked_up("import bitsandbytes")) == avx512_bf16

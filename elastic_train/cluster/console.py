@@ -88,8 +88,9 @@ _REPORT_GOES_ON = re.compile(r"^(\s|$|\^|[\w.]+(Error|Exception|Interrupt|Exit)\
 # Libraries' notices in the workers that say nothing to a user of a run (issue 38): bitsandbytes'
 # failed optional CPU kernel (printed on every import), c10d's hostname notice on GPU workers, Ray
 # Train's NCCL flight recorder on CPU workers. They stay in ray.log.
-LIBRARY_NOISE = ("Failed to load CPU gemm_4bit_forward", "The hostname of the client socket cannot "
-                 "be retrieved", "Unable to reset NCCL flight recorder")
+LIBRARY_NOISE = ("Failed to load CPU gemm_4bit_forward", "Skipping publisher trust check for "
+                 "'kernels-community/", "The hostname of the client socket cannot be retrieved",
+                 "Unable to reset NCCL flight recorder")
 # A progress bar (tqdm's format: transformers' "Loading weights", safetensors' writes ...):
 # "Loading weights: 100%|██████████| 3/3 [00:00<00:00, 120.5it/s]"
 _PROGRESS_BAR = re.compile(r"\d+%\|[^|]*\|\s*[\d.]+[kMG]?/[\d.?]+[kMG]?\s*\[")

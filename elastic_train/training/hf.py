@@ -173,6 +173,9 @@ def qlora_load_kwargs() -> dict[str, Any]:
                          "kernels do not train on CPU")
     from transformers import BitsAndBytesConfig
 
+    from elastic_train.training.optim import import_bitsandbytes
+
+    import_bitsandbytes()  # before transformers imports it: with the Hub off
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                       bnb_4bit_use_double_quant=True,
                                       bnb_4bit_compute_dtype=torch.bfloat16)

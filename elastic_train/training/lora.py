@@ -54,13 +54,16 @@ from torch import nn
 
 from elastic_train.config import Config, ConfigError, ModelConfig
 from elastic_train.training.basehash import folder_hash, state_dict_hash
+from elastic_train.training.optim import import_bitsandbytes
 
 BASE_KEY = "lora_base_sha256"  # the base's hash, a uint8 tensor of 32 bytes in the state dict
 LORA_EXTRA_HINT = "pip install 'elastic_train[lora]'"
 
 
 def require_peft() -> Any:
-    """The peft module; ValueError naming the extra when it is missing."""
+    """The peft module; ValueError naming the extra when it is missing. bitsandbytes, which peft
+    imports to wrap a model, is imported first with the Hub off (optim.import_bitsandbytes)."""
+    import_bitsandbytes()
     try:
         import peft
     except ImportError as exc:

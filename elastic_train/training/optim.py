@@ -7,12 +7,40 @@ therefore the step counter, which the checkpoint keeps anyway.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from elastic_train.config import OptimConfig
+
+
+def import_bitsandbytes() -> ModuleType | None:
+    """bitsandbytes (None if not installed), imported with the Hugging Face Hub off. On a CPU with
+    AVX512-BF16 (the hosts of most GPU nodes) its import asks the Hub for a kernel
+    (`kernels.get_kernel("kernels-community/quantization-bitsandbytes")`): code downloaded at run
+    time into every process, or a wait on a cluster without internet. peft imports it to wrap
+    any model (every LoRA run's driver and workers), transformers for QLoRA, adamw8bit itself;
+    call this first. The Hub is off for this import alone (a user's HF_HUB_OFFLINE stays)."""
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is None and importlib.util.find_spec("huggingface_hub") is not None:
+        from huggingface_hub import constants as hub  # read by `kernels` at call time
+    online = hub is not None and not hub.HF_HUB_OFFLINE
+    if online:
+        hub.HF_HUB_OFFLINE = True
+    try:
+        import bitsandbytes
+    finally:
+        if online:
+            hub.HF_HUB_OFFLINE = False
+    return bitsandbytes
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -37,8 +65,10 @@ def build_optimizer(
         fused = True if use_gpu and torch.cuda.is_available() else None
         return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=betas, fused=fused)
     if optim_cfg.name == "adamw8bit":
-        import bitsandbytes as bnb  # imported lazily: slow to import, only needed here
-
+        bnb = import_bitsandbytes()  # imported lazily: slow to import, only needed here
+        if bnb is None:
+            raise ValueError("optim.name=adamw8bit needs bitsandbytes, which is not installed: "
+                             "pip install bitsandbytes")
         # Tensors under bnb's min_8bit_size (4096 elements) keep 32-bit state.
         return bnb.optim.AdamW8bit(groups, lr=optim_cfg.lr, betas=betas)
     raise ValueError(f"optim.name: unknown optimizer {optim_cfg.name!r} (known: adamw, adamw8bit)")
