@@ -71,7 +71,7 @@ def test_three_recoveries_in_a_row_on_an_s3_store_end_on_the_uninterrupted_run(
     there (evaluated every 30 steps, as the uninterrupted run does), every recovery
     restores the store's checkpoint, and the command run again takes the folder's lease and
     downloads its files. Each fit's staging copy of the run folder is removed once its last
-    upload is in; `export` reads the folder from the store."""
+    upload is in; `export` and `report` read the folder from the store."""
     schedule = ["25:crash:1", "45:kill:0", "68:stop:1"]
     with s3_server(tmp_path / "s3.log") as s3:
         stats = prepare_ray(STDLIB_TEXTS, s3("data/corpus"), max_seq_len=128, rows_per_shard=600,
@@ -90,7 +90,9 @@ def test_three_recoveries_in_a_row_on_an_s3_store_end_on_the_uninterrupted_run(
         reference = train_locally(load_config(None, overrides))  # the store's corpus too
         capsys.readouterr()
         assert main(["export", result.run_dir, "--output", str(tmp_path / "export")]) == 0
+        assert main(["report", result.run_dir, "--output", str(tmp_path / "report")]) == 0
     assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert (tmp_path / "report" / "loss.png").is_file()
     check_against_uninterrupted(local, reference)
     check_ledger(local, schedule, stops)
     assert result.summary["world_sizes"] == [2, 2, 2, 2]
