@@ -733,3 +733,37 @@ def test_the_command_line_re_chunks_with_only_the_options_typed(tmp_path, monkey
     assert "--eval-fraction 0.1 (it has no held-out split, and none is made)" in (
         capsys.readouterr().err)
     assert not (tmp_path / "re2").exists()
+
+
+def test_the_local_engine_prepares_into_an_s3_store_as_into_a_folder(tmp_path, monkeypatch, capsys):
+    """`prepare --output s3://...` on the local engine (auto's choice for a small corpus): the
+    same shards, held-out set and `_prepare.json` as a local prepare, uploaded under the pending
+    marker with `_prepare.json` last; a second prepare there is refused, as in a folder. Before,
+    the URI was taken for a local path ('s3:/...': pyarrow's "Expected a local filesystem path,
+    got a URI"). An input URI is one line saying prepare reads local files, and nothing is
+    written to the current folder."""
+    from s3store import s3_server
+
+    monkeypatch.chdir(tmp_path)
+    inputs = write_inputs(tmp_path / "in")
+    local = prepare(inputs, tmp_path / "local", rows_per_block=2, eval_fraction=0.3)
+    with s3_server(tmp_path / "s3.log") as s3:
+        stats = prepare(inputs, s3("data/p"), rows_per_block=2, eval_fraction=0.3)
+        assert stats == local and stats["eval"]["rows"] > 0
+        stored = inspect_dataset(s3("data/p"))
+        assert stored.eval_split["rows"] == local["eval"]["rows"] and stored.rows == local["rows"]
+        names = sorted(i.path.split("data/p/", 1)[1] for i in s3.fs.get_file_info(
+            pafs.FileSelector("bucket/data/p", recursive=True)) if i.type == pafs.FileType.File)
+        assert names == sorted(p.relative_to(tmp_path / "local").as_posix()
+                               for p in (tmp_path / "local").rglob("*") if p.is_file())
+        for name in names:
+            with s3.fs.open_input_stream(f"bucket/data/p/{name}") as f:
+                assert f.read() == (tmp_path / "local" / name).read_bytes(), name
+        with pytest.raises(ValueError, match="already contains Parquet files"):
+            prepare(inputs, s3("data/p"))
+        capsys.readouterr()
+        assert cli_main(["prepare", s3("data/p"), "--output", str(tmp_path / "re")]) == 2
+        assert capsys.readouterr().err == (f"error: input '{s3('data/p')}': prepare reads local "
+                                           "files and folders; copy it to one first (the output "
+                                           "may be a URI)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "local", "s3.log"]

@@ -99,7 +99,7 @@ from elastic_train.data.prepare import (
     check_output_apart,
     folder_stats,
     prepare,
-    refuse_leftovers,
+    store_output,
     with_defaults,
 )
 from elastic_train.data.rechunk import is_token_dataset
@@ -247,13 +247,7 @@ def _output_location(output: PathLike) -> tuple[pafs.FileSystem, str, str]:
         _check_output_free(Path(output))
         fs, root = _resolve_dataset_path(shown)
         return fs, root, root
-    fs, root = _resolve_dataset_path(shown)
-    info = fs.get_file_info(root)
-    if info.type == pafs.FileType.File:
-        raise ValueError(f"output '{shown}' exists and is not a folder")
-    if info.type == pafs.FileType.Directory:
-        refuse_leftovers(shown, [entry.base_name for entry in
-                                 fs.get_file_info(pafs.FileSelector(root, recursive=False))])
+    fs, root = store_output(shown)
     return fs, root, shown
 
 

@@ -49,6 +49,7 @@ from elastic_train.data.dataset import (
     PENDING_FILE,
     STATS_FILE,
     TOKENIZER_DIR,
+    _resolve_dataset_path,
     pending_marker,
 )
 from elastic_train.data.heldout import (
@@ -188,6 +189,16 @@ def prepare(
     _check_arguments(max_seq_len, rows_per_shard, rows_per_block, seed, eval_fraction)
     if not str(output).strip():
         raise ValueError("--output: an empty path")
+    if "://" in str(output):  # a store: prepared into a local folder, then uploaded whole
+        fs, root = store_output(str(output))
+        with tempfile.TemporaryDirectory(prefix="elastic_train-prepare-") as scratch:
+            stats = prepare(inputs, Path(scratch) / "out", max_seq_len=max_seq_len,
+                            rows_per_shard=rows_per_shard, rows_per_block=rows_per_block,
+                            seed=seed, tokenizer=tokenizer, text_field=text_field,
+                            eval_fraction=eval_fraction, prompt_field=prompt_field,
+                            response_field=response_field)
+            upload_prepared(Path(scratch) / "out", fs, root, str(output))
+        return stats
     out = Path(output)
     _check_output_free(out)
     check_output_apart(inputs, out)
@@ -272,6 +283,38 @@ def _check_output_free(output: Path) -> None:
         raise ValueError(f"output '{output}' exists and is not a folder")
     if output.is_dir():
         refuse_leftovers(str(output), [entry.name for entry in output.iterdir()])
+
+
+def store_output(shown: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path) of output URI `shown`, refused (ValueError) as `_check_output_free`
+    refuses a local one: a file, or a folder holding what a prepare writes."""
+    fs, root = _resolve_dataset_path(shown)
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.File:
+        raise ValueError(f"output '{shown}' exists and is not a folder")
+    if info.type == pafs.FileType.Directory:
+        refuse_leftovers(shown, [entry.base_name for entry in
+                                 fs.get_file_info(pafs.FileSelector(root, recursive=False))])
+    return fs, root
+
+
+def upload_prepared(local: Path, fs: pafs.FileSystem, root: str, shown: str) -> None:
+    """A prepared folder `local` uploaded to `root` in `fs` (output URI `shown`): under
+    `pending_marker`, `_prepare.json` last, so that an upload cut short is refused as an
+    unfinished prepare rather than read as a data set of fewer shards."""
+    files = sorted((path for path in local.rglob("*") if path.is_file()),
+                   key=lambda path: (path == local / STATS_FILE, str(path)))
+    try:
+        fs.create_dir(root, recursive=True)
+        with pending_marker(fs, root):
+            for path in files:
+                target = f"{root}/{path.relative_to(local).as_posix()}"
+                fs.create_dir(target.rpartition("/")[0], recursive=True)
+                with open(path, "rb") as source, fs.open_output_stream(target) as sink:
+                    shutil.copyfileobj(source, sink, 1 << 20)
+    except OSError as exc:
+        raise ValueError(f"output '{shown}': the upload failed ({' '.join(str(exc).split())}); "
+                         "what it left is marked unfinished: empty it and prepare again") from None
 
 
 def refuse_leftovers(shown: str, names: Iterable[str]) -> None:

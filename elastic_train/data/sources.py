@@ -229,6 +229,9 @@ def collect_input_files(inputs: Iterable[PathLike],
     for item in inputs:
         if not str(item).strip():
             raise ValueError(f"input '{item}' is an empty path (give '.' for the current folder)")
+        if "://" in str(item):  # Path would make it a local 's3:/...', then "does not exist"
+            raise ValueError(f"input '{item}': prepare reads local files and folders; copy it "
+                             "to one first (the output may be a URI)")
         path = Path(item)
         if not path.exists():
             raise ValueError(f"input '{path}' does not exist")
