@@ -169,7 +169,11 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
         if outcome.stopped:
             summary["status"], summary["reason"] = "stopped", f"stopped by {outcome.stopped}"
         summary["provenance"] = record
-        settled = _settle(runlog, ray_log, summary)
+        try:
+            settled = _settle(runlog, ray_log, summary)
+        except UploadFailed:  # settled; the staging copy, which the error names, stays
+            settled, staging = False, None
+            raise
         if outcome.stopped:
             raise TrainingStopped(outcome.stopped, summary)
         if summary["status"] != "finished":
