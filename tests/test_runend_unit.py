@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -564,3 +565,49 @@ def test_a_uri_run_folder_keeps_the_stores_options_after_the_run_name(tmp_path):
     assert join_uri("/data/runs?odd", "r") == "/data/runs?odd/r"  # a local name may hold a '?'
     local = load_config(None, [f"run.storage_path={tmp_path}/", "run.name=r"])
     assert run_uri(local) == f"{tmp_path}/r"
+
+
+def test_a_remote_run_folders_uploads_send_only_the_files_that_changed(tmp_path, monkeypatch):
+    """Every upload of the staging copy (every 10 s while a run trains) sent every file again:
+    ray.log, the config, the consumed ids of attempts long over. Now a file goes up when it was
+    appended to, replaced or written since its last upload, or since a resume downloaded it;
+    the others are left as the store has them (here, the store's copy of an unchanged file is
+    deleted behind the RunFolder's back, so that a re-upload would show)."""
+    from elastic_train.observe import runfolder
+
+    store, _ = pafs.FileSystem.from_uri("mock:///runs")
+    monkeypatch.setattr(runfolder, "split_uri", lambda uri: (store, "runs/r", False))
+    store.create_dir("runs/r/consumed")
+    for name, text in (("config.yaml", "run: {}\n"), ("metrics.jsonl", "{\"step\": 1}\n"),
+                       ("consumed/rank0_attempt0.jsonl", "{}\n")):
+        with store.open_output_stream(f"runs/r/{name}") as f:
+            f.write(text.encode())
+
+    def remote(name: str) -> str | None:
+        if store.get_file_info(f"runs/r/{name}").type != pafs.FileType.File:
+            return None
+        with store.open_input_stream(f"runs/r/{name}") as f:
+            return f.read().decode()
+
+    folder = runfolder.RunFolder("mock:///runs/r")  # a resume: the folder is downloaded
+    try:
+        assert folder.resuming and (folder.local / "consumed" / "rank0_attempt0.jsonl").is_file()
+        store.delete_file("runs/r/config.yaml")
+        store.delete_file("runs/r/consumed/rank0_attempt0.jsonl")
+        folder.accept()
+        folder.append("metrics.jsonl", ['{"step": 2}'])
+        folder.write("attempts.json", "[]")
+        folder.sync()
+        assert remote("metrics.jsonl") == '{"step": 1}\n{"step": 2}\n'
+        assert remote("attempts.json") == "[]"
+        assert remote("config.yaml") is None  # unchanged since the download: not sent again
+        assert remote("consumed/rank0_attempt0.jsonl") is None
+        store.delete_file("runs/r/attempts.json")
+        folder.sync()
+        assert remote("attempts.json") is None  # unchanged since its upload
+        folder.write("attempts.json", "[1]")  # the same size, another file (os.replace)
+        folder.write("config.yaml", "run: {name: r}\n")
+        folder.sync()
+        assert (remote("attempts.json"), remote("config.yaml")) == ("[1]", "run: {name: r}\n")
+    finally:
+        shutil.rmtree(folder.local, ignore_errors=True)

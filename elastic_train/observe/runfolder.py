@@ -134,6 +134,7 @@ class RunFolder:
     def __init__(self, run_uri: str) -> None:
         self.uri = run_uri
         self.fs, self.remote_path, self.is_local = split_uri(run_uri)
+        self._uploaded: dict[str, tuple[int, int, int]] = {}  # upload_copy's memory
         if self.is_local:
             self.local = Path(self.remote_path)
         else:
@@ -159,6 +160,7 @@ class RunFolder:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 with self.fs.open_input_stream(info.path) as src:
                     dest.write_bytes(src.read())
+                self._uploaded[Path(rel).as_posix()] = file_version(dest)  # the store has it
 
     def path(self, name: str) -> Path:
         return self.local / name
@@ -235,16 +237,27 @@ class RunFolder:
     def sync(self) -> None:
         """Upload the staging copy (remote storage only; nothing once discarded)."""
         if not self.is_local and not self.discarded:
-            upload_copy(str(self.local), self.fs, self.remote_path)
+            upload_copy(str(self.local), self.fs, self.remote_path, self._uploaded)
 
 
-def upload_copy(local: str, fs: pafs.FileSystem, remote_path: str) -> None:
+def file_version(path: Path) -> tuple[int, int, int]:
+    """What changes when a file of the staging copy does: it is appended to (size), or replaced
+    (`os.replace` of a whole new one: another inode), or written over (time)."""
+    stat = path.stat()
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def upload_copy(local: str, fs: pafs.FileSystem, remote_path: str,
+                uploaded: dict[str, tuple[int, int, int]] | None = None) -> None:
     """A remote run folder's staging copy `local`, uploaded over it: every file the copy holds
     (the RunLog's, never the workers'), but no link (W&B's `latest-run`: its target goes once)
     and no file still being written (`*.tmp`, renamed into place when whole; a staged
     `*.pending`, until the run is accepted); `summary.json` last, so that its object is never
     older than the logs it sums up (report compares them). A file renamed away while this runs
-    is left to the next upload."""
+    is left to the next upload. `uploaded` (name: `file_version`, kept by the caller between
+    uploads) leaves out the files that have not changed since they were last uploaded: every
+    upload sent the whole folder (ray.log, the config, consumed ids of earlier attempts, ...)
+    every few seconds."""
     root = Path(local)
     files = []
     for folder, subfolders, names in os.walk(root):  # a linked folder is not entered
@@ -254,8 +267,12 @@ def upload_copy(local: str, fs: pafs.FileSystem, remote_path: str) -> None:
     files.sort(key=lambda path: path == root / "summary.json")
     fs.create_dir(remote_path, recursive=True)
     for path in files:
-        target = f"{remote_path}/{path.relative_to(root).as_posix()}"
+        name = path.relative_to(root).as_posix()
+        target = f"{remote_path}/{name}"
         try:
+            version = file_version(path)  # before reading: a write meanwhile uploads it again
+            if uploaded is not None and uploaded.get(name) == version:
+                continue
             with open(path, "rb") as source:
                 if path.parent != root:
                     fs.create_dir(target.rpartition("/")[0], recursive=True)
@@ -263,6 +280,8 @@ def upload_copy(local: str, fs: pafs.FileSystem, remote_path: str) -> None:
                     shutil.copyfileobj(source, sink, 1 << 20)
         except FileNotFoundError:
             continue
+        if uploaded is not None:
+            uploaded[name] = version
 
 
 def upload_staging(local: str, run: str) -> None:
