@@ -162,6 +162,9 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
         outcome = _fit(cfg, trainer, runlog, progress, local, stop,
                        functools.partial(_stopped_summary, cfg, folder, start, record),
                        functools.partial(_end_without_cluster, upload=upload))
+        if outcome.stopped:  # the workers train on until the controller goes: end them first,
+            abort_controller(trainer.controller)  # so the summary is of what they trained
+        ray.get(runlog.take_held.remote())
         fatal = ray.get(runlog.progress.remote())["fatal"]
         summary = build_summary(folder, start_time=start, error=fatal or outcome.error,
                                 limits=None if outcome.stopped else (cfg.train.max_steps,

@@ -300,6 +300,9 @@ def test_a_stopped_run_writes_its_summary_and_releases_what_it_held(ray_cluster,
     summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["steps"] >= 1
     assert json.loads((tmp_path / "stop" / "attempts.json").read_text())[-1]["end"]["cause"] == "stopped"
+    # the workers stopped before the summary was taken: no step trained after it
+    trained = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    assert max(trained) == summary["steps"], (max(trained), summary["steps"])
     wait_for("the run's placement group and resource request gone",
              lambda: _held(held_before) == ([], []), timeout_s=30)
 

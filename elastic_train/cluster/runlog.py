@@ -529,6 +529,11 @@ class RunLog:
         return {"latest": self.latest, "latest_eval": self.latest_eval, "attempts": self.attempts,
                 "fatal": self.fatal, "failures": self.failures, "worker_started": self.worker_started}
 
+    def take_held(self) -> None:
+        """The fit is over, its workers gone: every record still held for one before it
+        (`_in_order`) is taken now, so that the summary built next counts it."""
+        self._take_all_held(waited_s=0)
+
     def local_folder(self) -> str:
         return str(self.folder.local)
 
