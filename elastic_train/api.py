@@ -157,8 +157,7 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
                                 pg_cleaner=not local or cfg.run.dashboard)
         startup["fit_call"] = time.time()
         ray.get(runlog.log_event.remote({"event": "fit_start", "driver_startup": startup}))
-        upload = (functools.partial(upload_staging, folder, run_uri(cfg))
-                  if "://" in run_uri(cfg) else None)
+        upload = functools.partial(upload_staging, staging, run_uri(cfg)) if staging else None
         outcome = _fit(cfg, trainer, runlog, progress, local, stop,
                        functools.partial(_stopped_summary, cfg, folder, start, record),
                        functools.partial(_end_without_cluster, upload=upload))
