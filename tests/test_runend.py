@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -378,6 +379,7 @@ def test_a_failed_last_upload_of_a_remote_run_folder_is_one_error_naming_its_sta
     assert message.endswith(f"every file is in its staging copy {staging}: copy them there once "
                             "the store answers")
     assert json.loads((Path(staging) / "summary.json").read_text()) == summary
+    shutil.rmtree(staging)  # what a user copies to the store once it answers
 
     def train_that_ends_so(args) -> int:  # the command's train, ending as the fit above did
         raise raised.value

@@ -9,6 +9,7 @@ remote store), and nothing of the RunLog is replaced.
 
 import json
 import sys
+import tempfile
 import threading
 import time
 
@@ -52,10 +53,12 @@ def test_the_latest_step_only_moves_forward_whatever_order_the_records_come_in(t
     assert log.latest["window_tokens_per_s"] == pytest.approx(7.0)
 
 
-def test_a_remote_run_folder_is_uploaded_by_one_call_at_a_time_and_a_failed_upload_is_retried(tmp_path):
+def test_a_remote_run_folder_is_uploaded_by_one_call_at_a_time_and_a_failed_upload_is_retried(tmp_path,
+                                                                                                  monkeypatch):
     """Remote storage: while one upload runs, the calls that come (four threads logging steps)
     start none of their own; the upload that fails is a warning, the step's call goes on (its Ray
     metrics too), and a later upload takes every line."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the staging copy: the test's
     log = RunLogClass("mock:///runs/remote", flush_interval_s=0.0)
     log.begin_attempt(2)
     upload = log.folder.sync
@@ -284,7 +287,7 @@ def test_a_record_whose_predecessor_never_comes_is_written_after_the_hold(tmp_pa
 
 
 
-def test_a_remote_resume_uploads_only_its_own_files_not_the_workers_it_found(monkeypatch):
+def test_a_remote_resume_uploads_only_its_own_files_not_the_workers_it_found(monkeypatch, tmp_path):
     """A resume on remote storage: the RunLog's staging copy is taken when the fit begins and
     uploaded every few seconds, so it must leave alone what the workers write. In the store: a
     best checkpoint (step 40) with its pointer, an in-place pointer, a compile cache; then the
@@ -317,6 +320,7 @@ def test_a_remote_resume_uploads_only_its_own_files_not_the_workers_it_found(mon
     put(POINTER, json.dumps({"checkpoint": "checkpoint_000000040", "step": 40, "written": []}))
     put(f"{CACHE_SUBFOLDER}/torch-x/rank-0.bin", "first fit")
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the staging copy: the test's
     log = RunLogClass("mock:///runs/r", flush_interval_s=0.0)  # the resume's RunLog
     log.begin_attempt(2)
     put(f"best_checkpoint_000000080/{MANIFEST}", "{}")  # the workers, meanwhile
