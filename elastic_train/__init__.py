@@ -4,7 +4,11 @@
     result = train(load_config(None, ["train.max_steps=100"]))
 """
 
-from elastic_train.config import Config, ConfigError, load_config
+from elastic_train.config import Config, ConfigError, load_config, redact
+
+# what this package logs shows no secret of a URI (the driver's console, the workers' forwarded
+# output, ray.log)
+redact.mask_logs("elastic_train", "elastic_train.prepare", "elastic_train.preflight.runlock")
 
 __all__ = ["Config", "ConfigError", "TrainResult", "TrainingFailed", "load_config", "train"]
 

@@ -43,7 +43,7 @@ from elastic_train.cluster.runwatch import (
     cancel_resource_request,
     cluster_processes,
 )
-from elastic_train.config import Config
+from elastic_train.config import Config, redact
 from elastic_train.data.dataset import DatasetInfo
 from elastic_train.observe import provenance
 from elastic_train.observe.progress import Progress
@@ -180,8 +180,8 @@ def _run(cfg: Config, info: DatasetInfo, model_fn: ModelFn | None, loss_fn: Loss
             raise TrainingStopped(outcome.stopped, summary)
         if summary["status"] != "finished":
             if outcome.failure is not None and outcome.failure.traceback and not fatal:
-                print(f"the failing worker's error (rank {outcome.failure.rank}):\n"
-                      f"{outcome.failure.traceback}", file=sys.stderr, flush=True)
+                print(redact.shown(f"the failing worker's error (rank {outcome.failure.rank}):\n"
+                                   f"{outcome.failure.traceback}"), file=sys.stderr, flush=True)
             raise TrainingFailed(summary["reason"], summary)
         return TrainResult(summary, run_uri(cfg), outcome.checkpoint_path)
     finally:
@@ -321,15 +321,15 @@ def _end_without_cluster(signal_name: str, written: str,
             written += " and uploaded"
         except OSError as exc:
             written += f" but not uploaded ({exc}): copy that folder there once the store answers"
-    print(f"stopped by {signal_name}; the local Ray cluster went down with the driver{written}",
-          file=sys.stderr, flush=True)
+    print(redact.shown(f"stopped by {signal_name}; the local Ray cluster went down with the "
+                       f"driver{written}"), file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(128 + getattr(signals, signal_name))
 
 
 def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".driver.tmp")  # not the RunLog's `.tmp`: it may write too
-    tmp.write_text(text)
+    tmp.write_text(redact.shown(text))  # as the RunLog writes (observe/runfolder.py)
     os.replace(tmp, path)
 
 

@@ -19,6 +19,8 @@ import json
 import logging
 import sys
 
+from elastic_train.config import redact
+
 
 def _train(args: argparse.Namespace) -> int:
     from elastic_train.config import load_config
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(redact.shown(f"error: {exc}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside a run (its checks, a lease's watch, prepare)
         print(f"stopped: stopped by SIGINT during {args.command}", file=sys.stderr)
@@ -224,13 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, TrainingStopped):  # summary.json says "stopped"
             import signal
 
-            print(f"stopped: {exc}", file=sys.stderr)
+            print(redact.shown(f"stopped: {exc}"), file=sys.stderr)
             return 128 + getattr(signal, exc.signal_name)
         if isinstance(exc, TrainingFailed):
-            print(f"error: run failed: {exc}", file=sys.stderr)
+            print(redact.shown(f"error: run failed: {exc}"), file=sys.stderr)
             return 1
         if isinstance(exc, UploadFailed):  # the run ended; its folder's last upload did not
-            print(f"error: the run {exc.summary.get('status', 'ended')}, but {exc}", file=sys.stderr)
+            print(redact.shown(f"error: the run {exc.summary.get('status', 'ended')}, but {exc}"),
+                  file=sys.stderr)
             return 1
         raise
 

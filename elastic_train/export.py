@@ -47,7 +47,7 @@ import torch
 import yaml
 from torch import nn
 
-from elastic_train.config import Config, ConfigError, ModelConfig, config_from_dict
+from elastic_train.config import Config, ConfigError, ModelConfig, config_from_dict, redact
 from elastic_train.data.batches import make_batch
 from elastic_train.data.tokenizer import Tokenizer
 from elastic_train.observe.runfolder import CONFIG_FILE, local_copy
@@ -90,7 +90,7 @@ class CheckpointChoice:
 
 
 def _tell(line: str) -> None:
-    print(line, file=sys.stderr)
+    print(redact.shown(line), file=sys.stderr)
 
 
 def latest_checkpoint(run_folder: Path) -> Path:
@@ -171,16 +171,23 @@ def _download_run(fs: pafs.FileSystem, path: str, local: Path, checkpoint: str |
         fetch(name)
 
 
-def load_run_config(run_folder: Path) -> Config:
+def load_run_config(run_folder: Path, keys_from: str = "") -> Config:
+    """The run's config.yaml; its URIs' secrets (masked there: config/redact.py) are those of
+    `keys_from`, the run folder as given, where it has the same key."""
     path = run_folder / "config.yaml"
     if not run_folder.exists():
         raise ValueError(f"run folder '{run_folder}' does not exist")
     if not path.is_file():
         raise ValueError(f"'{run_folder}' is not a run folder: it has no config.yaml")
     try:
-        return config_from_dict(yaml.safe_load(path.read_text()))
+        cfg = config_from_dict(yaml.safe_load(path.read_text()))
     except (yaml.YAMLError, ConfigError) as exc:
         raise ValueError(f"run config '{path}' is not readable: {exc}") from None
+    for section, key in (("run", "storage_path"), ("data", "path"), ("eval", "path"),
+                         ("model", "path")):
+        part = getattr(cfg, section)
+        setattr(part, key, redact.with_keys(getattr(part, key), [keys_from]))
+    return cfg
 
 
 def run_tokenizer(cfg: Config, recorded: dict | None = None) -> Tokenizer:
@@ -222,7 +229,8 @@ def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
     or, for a folder `export` wrote, the model it holds (`load_exported`). `say` gets the line
     naming the checkpoint (and any warning about the choice). `needs_adapters` (export's merge):
     a run or export folder that holds no LoRA adapters is refused before anything loads."""
-    shown = os.fspath(run_folder)
+    given = os.fspath(run_folder)
+    shown = redact.shown(given)
 
     def download(fs: pafs.FileSystem, path: str, local: Path) -> None:
         _download_run(fs, path, local, checkpoint, shown if needs_adapters else None)
@@ -232,7 +240,7 @@ def load_trained(run_folder: str | os.PathLike, checkpoint: str | None = None,
             names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
             _check_adapters(names, is_export_folder(folder),
                             lambda: _readable_config(folder), shown)
-        return _load_trained(folder, shown, checkpoint, model_fn, say)
+        return _load_trained(folder, given, checkpoint, model_fn, say)
 
 
 def _readable_config(folder: Path) -> Config | None:
@@ -262,11 +270,11 @@ def _check_adapters(names: set[str], export_folder: bool, config: Callable[[], C
                          "its export is the whole model already; export it without --merge")
 
 
-def _load_trained(folder: Path, shown: str, checkpoint: str | None, model_fn: ModelFn | None,
+def _load_trained(folder: Path, given: str, checkpoint: str | None, model_fn: ModelFn | None,
                   say: Callable[[str], None]) -> TrainedModel:
     if checkpoint is None and is_export_folder(folder):
         return load_exported(folder, model_fn)
-    cfg = load_run_config(folder)
+    cfg = load_run_config(folder, keys_from=given)
     if cfg.model.inline_fn and model_fn is None:
         raise ValueError(
             f"run '{folder}' trained an inline model ({cfg.model.inline_fn}, the Python API's "
@@ -284,7 +292,7 @@ def _load_trained(folder: Path, shown: str, checkpoint: str | None, model_fn: Mo
     for line in choice.warnings:
         say(line)
     step = state.get("train_state", {}).get("step", "?")
-    say(f"checkpoint: {ckpt.name} (step {step}, {choice.why}) of {shown}")
+    say(f"checkpoint: {ckpt.name} (step {step}, {choice.why}) of {redact.shown(given)}")
     provenance = state.get("provenance") if isinstance(state.get("provenance"), dict) else {}
     tokenizer = run_tokenizer(cfg, provenance)  # before the model: its errors cost no load
     torch.manual_seed(cfg.train.seed)
@@ -511,11 +519,11 @@ def _write_adapters(trained: TrainedModel, folder: Path) -> None:
     does; peft's files carry none), and the tokenizer."""
     peft_model = trained.model.peft
     for settings in peft_model.peft_config.values():
-        settings.base_model_name_or_path = trained.config.model.path
+        settings.base_model_name_or_path = redact.shown(trained.config.model.path)
     peft_model.save_pretrained(str(folder), safe_serialization=True)
     digest = bytes(getattr(trained.model, BASE_KEY).tolist())  # checked against the base on load
     (folder / BASE_HASH_FILE).write_text(json.dumps({
-        BASE_KEY: digest.hex(), "base_model_name_or_path": trained.config.model.path,
+        BASE_KEY: digest.hex(), "base_model_name_or_path": redact.shown(trained.config.model.path),
         "of": "the base's weights as stored in its folder (elastic_train.training.basehash)"},
         indent=2) + "\n")
     if trained.tokenizer.kind == "hf":
@@ -538,7 +546,7 @@ def _write_export(trained: TrainedModel, folder: Path) -> None:
     except ImportError:
         raise ValueError("export needs safetensors: pip install 'elastic_train[hf]'") from None
     save_model(trained.model, str(folder / "model.safetensors"))  # shared (tied) tensors once
-    (folder / "config.yaml").write_text(trained.config.to_yaml())
+    (folder / "config.yaml").write_text(redact.shown(trained.config.to_yaml()))
     if tok.kind == "hf":
         tok.save(folder / "tokenizer")
 

@@ -21,13 +21,15 @@ import pyarrow.fs as pafs
 import yaml
 
 BUCKET = "bucket"
+SECRET = "Sekr3t-q9Zx"  # the secret key in the URIs: no file the run writes may hold it
 
 
 @contextmanager
 def s3_server(log_path: Path) -> Iterator:
     """`uri(path)`: `s3://KEY:SECRET@bucket/<path>?region=...&endpoint_override=...&scheme=http`
-    on a moto S3 server started for the block (the bucket made, nothing in it); `uri.fs` is the
-    store's pyarrow filesystem."""
+    on a moto S3 server started for the block (the bucket made, nothing in it; it takes any
+    secret: `uri(path, secret)` names the store with another); `uri.fs` is the store's pyarrow
+    filesystem."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -37,8 +39,8 @@ def s3_server(log_path: Path) -> Iterator:
         try:
             options = f"region=us-east-1&endpoint_override=127.0.0.1:{port}&scheme=http"
 
-            def uri(path: str) -> str:
-                return f"s3://key:secret@{BUCKET}/{path}?{options}"
+            def uri(path: str, secret: str = SECRET) -> str:
+                return f"s3://key:{secret}@{BUCKET}/{path}?{options}"
 
             fs, _ = pafs.FileSystem.from_uri(uri("") + "&allow_bucket_creation=true")
             deadline = time.monotonic() + 60
@@ -55,6 +57,17 @@ def s3_server(log_path: Path) -> Iterator:
         finally:
             server.terminate()
             server.wait(30)
+
+
+def files_holding(fs: pafs.FileSystem, text: str) -> list[str]:
+    """The files on the store whose bytes hold `text`."""
+    found = []
+    for info in fs.get_file_info(pafs.FileSelector(BUCKET, recursive=True)):
+        if info.type == pafs.FileType.File:
+            with fs.open_input_stream(info.path) as f:
+                if text.encode() in f.read():
+                    found.append(info.path)
+    return found
 
 
 def staging_copies(run_name: str) -> list[str]:

@@ -763,7 +763,7 @@ def test_the_local_engine_prepares_into_an_s3_store_as_into_a_folder(tmp_path, m
             prepare(inputs, s3("data/p"))
         capsys.readouterr()
         assert cli_main(["prepare", s3("data/p"), "--output", str(tmp_path / "re")]) == 2
-        assert capsys.readouterr().err == (f"error: input '{s3('data/p')}': prepare reads local "
+        assert capsys.readouterr().err == (f"error: input '{s3('data/p', '***')}': prepare reads local "
                                            "files and folders; copy it to one first (the output "
                                            "may be a URI)\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "local", "s3.log"]

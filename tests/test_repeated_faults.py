@@ -13,11 +13,12 @@ import json
 import sysconfig
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 import yaml
 from conftest import TINY, prepare_sft_pairs
 from localenv import train_locally
-from s3store import downloaded, s3_server, staging_copies
+from s3store import BUCKET, SECRET, downloaded, files_holding, s3_server, staging_copies
 from test_train_ray import metrics, read_events
 from uninterrupted import check_against_uninterrupted, uninterrupted_ray_run
 
@@ -36,13 +37,14 @@ COMMON = ["data.record_ids=true", "checkpoint.every_steps=4", "checkpoint.keep=1
           "scaling.max_failures=4"]
 
 
-def run_to_the_end(overrides: list[str]):
+def run_to_the_end(overrides: list[str], again: list[str] = ()):
     """Run `overrides` as a user would: when the driver is stopped (SIGTERM), run the same command
-    again, until the run finishes. Returns the last result and how many times it was stopped."""
+    (with `again` added) again, until the run finishes. Returns the last result and how many times
+    it was stopped."""
     stops = 0
     while True:
         try:
-            return train(load_config(None, overrides)), stops
+            return train(load_config(None, [*overrides, *(again if stops else ())])), stops
         except TrainingStopped:
             stops += 1
             assert stops <= 3, "stopped more often than the schedule says"
@@ -70,8 +72,10 @@ def test_three_recoveries_in_a_row_on_an_s3_store_end_on_the_uninterrupted_run(
     its options (s3store.py): `prepare --engine ray` writes the corpus and its held-out documents
     there (evaluated every 30 steps, as the uninterrupted run does), every recovery
     restores the store's checkpoint, and the command run again takes the folder's lease and
-    downloads its files. Each fit's staging copy of the run folder is removed once its last
-    upload is in; `export` and `report` read the folder from the store."""
+    downloads its files; it names the store with a new secret key (rotated), which changes
+    nothing in the run. Each fit's staging copy of the run folder is removed once its last
+    upload is in; `export` and `report` read the folder from the store. No file on the store or
+    in the export, nor a line on the console, holds either secret."""
     schedule = ["25:crash:1", "45:kill:0", "68:stop:1"]
     with s3_server(tmp_path / "s3.log") as s3:
         stats = prepare_ray(STDLIB_TEXTS, s3("data/corpus"), max_seq_len=128, rows_per_shard=600,
@@ -81,16 +85,26 @@ def test_three_recoveries_in_a_row_on_an_s3_store_end_on_the_uninterrupted_run(
                      "eval.every_steps=30", f"run.storage_path={s3('runs')}", "run.name=series",
                      "train.epochs=4", "train.max_steps=1000",
                      f"fault.schedule=[{', '.join(schedule)}]"]
-        result, stops = run_to_the_end(overrides)
+        rotated = "Rotated-8kWq"
+        result, stops = run_to_the_end(overrides, [f"run.storage_path={s3('runs', rotated)}",
+                                                   f"data.path={s3('data/corpus', rotated)}"])
         assert result.summary["status"] == "finished" and result.summary["steps"] > 75
-        assert result.run_dir == s3("runs/series")  # the store's options after the run's name
+        assert result.run_dir == s3("runs/series", rotated)  # the options after the run's name
         assert staging_copies("series") == []
         local = downloaded(s3.fs, result.run_dir, result, tmp_path / "series")
         assert json.loads((Path(local.run_dir) / "summary.json").read_text()) == result.summary
         reference = train_locally(load_config(None, overrides))  # the store's corpus too
-        capsys.readouterr()
+        shown = capsys.readouterr()
         assert main(["export", result.run_dir, "--output", str(tmp_path / "export")]) == 0
         assert main(["report", result.run_dir, "--output", str(tmp_path / "report")]) == 0
+        shown = shown.out + shown.err + "".join(capsys.readouterr())
+        for secret in (SECRET, rotated):
+            assert files_holding(s3.fs, secret) == [] and secret not in shown
+            assert not [p for p in (tmp_path / "export").rglob("*") if p.is_file() and
+                        secret.encode() in p.read_bytes()]
+        assert "s3://key:***@bucket/runs/series?" in shown
+        names = [i.base_name for i in s3.fs.get_file_info(pafs.FileSelector(f"{BUCKET}/runs/series"))]
+        assert [n for n in names if n.startswith("config.")] == ["config.yaml"]  # no change kept
     assert (tmp_path / "export" / "model.safetensors").is_file()
     assert (tmp_path / "report" / "loss.png").is_file()
     check_against_uninterrupted(local, reference)

@@ -611,3 +611,39 @@ def test_a_remote_run_folders_uploads_send_only_the_files_that_changed(tmp_path,
         assert (remote("attempts.json"), remote("config.yaml")) == ("[1]", "run: {name: r}\n")
     finally:
         shutil.rmtree(folder.local, ignore_errors=True)
+
+
+def test_a_large_growing_file_is_uploaded_less_often_while_the_run_trains(tmp_path, monkeypatch):
+    """A store has no append: each upload sent metrics.jsonl whole (70 MB over a run of 100k
+    steps, every 10 s). While the run trains, a file over PACED_BYTES waits the interval per
+    PACED_BYTES it holds since its last upload; small files go as before, and the run's last
+    upload (no pace) takes everything."""
+    from elastic_train.observe import runfolder
+
+    store, _ = pafs.FileSystem.from_uri("mock:///runs")
+    monkeypatch.setattr(runfolder, "split_uri", lambda uri: (store, "runs/r", False))
+
+    def remote_size(name: str) -> int:
+        return store.get_file_info(f"runs/r/{name}").size
+
+    folder = runfolder.RunFolder("mock:///runs/r")
+    try:
+        folder.accept()
+        line = json.dumps({"step": 0, "loss": 1.0, "pad": "x" * 1000})
+        folder.append("metrics.jsonl", [line] * (2 * runfolder.PACED_BYTES // len(line)))
+        folder.write("attempts.json", "[]")
+        folder.sync(pace_s=10)  # never uploaded: goes at once
+        big = (folder.local / "metrics.jsonl").stat().st_size
+        assert big > runfolder.PACED_BYTES and remote_size("metrics.jsonl") == big
+        folder.append("metrics.jsonl", [line])
+        folder.write("attempts.json", "[1]")
+        folder.sync(pace_s=10)  # within 20 s of its upload: metrics.jsonl waits, the rest goes
+        assert (remote_size("metrics.jsonl"), remote_size("attempts.json")) == (big, 3)
+        folder._uploaded_at["metrics.jsonl"] -= 21  # as if 21 s had passed since
+        folder.sync(pace_s=10)
+        assert remote_size("metrics.jsonl") == big + len(line) + 1
+        folder.append("metrics.jsonl", [line])
+        folder.sync()  # the run's end
+        assert remote_size("metrics.jsonl") == big + 2 * (len(line) + 1)
+    finally:
+        shutil.rmtree(folder.local, ignore_errors=True)

@@ -64,7 +64,7 @@ def test_a_remote_run_folder_is_uploaded_by_one_call_at_a_time_and_a_failed_uplo
     upload = log.folder.sync
     lock, running, most, calls = threading.Lock(), [0], [0], [0]
 
-    def slow_upload():  # a remote store's upload takes a while
+    def slow_upload(pace_s: float = 0.0):  # a remote store's upload takes a while
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
@@ -74,7 +74,7 @@ def test_a_remote_run_folder_is_uploaded_by_one_call_at_a_time_and_a_failed_uplo
             time.sleep(0.05)
             if first:
                 raise OSError("connection reset by peer")
-            upload()
+            upload(pace_s)
         finally:
             with lock:
                 running[0] -= 1

@@ -47,6 +47,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from elastic_train.config import redact
+
 RAY_LOG = "ray.log"  # in the run folder
 DRIVER_RAY_LOGGERS = ("ray", "ray.data")  # the driver's Ray loggers with console handlers of their own
 _RAY_PRINT_HANDLER = "ray_print_logs"  # the name ray.init gives its forwarded-line printer
@@ -228,7 +230,7 @@ class RayLog(logging.Handler):
                 self._write_now(lines)
 
     def _write_now(self, lines: list[str]) -> None:
-        self._file.write("".join(line + "\n" for line in lines))
+        self._file.write("".join(redact.shown(line) + "\n" for line in lines))
         self._file.flush()  # a crash of the driver must not lose what Ray said last
 
     def close(self) -> None:
@@ -246,6 +248,12 @@ def forwarded_lines(data: dict[str, Any]) -> list[str]:
     source = f"({name} pid={data.get('pid')})".replace("( ", "(")
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     return [f"{stamp} {source} {line}" for line in data.get("lines", [])]
+
+
+def _masked(data: dict[str, Any]) -> dict[str, Any]:
+    """Forwarded output with the secrets of its URIs masked (config/redact.py): a worker's
+    traceback may name the store it failed to read."""
+    return {**data, "lines": [redact.shown(line) for line in data.get("lines", [])]}
 
 
 def _dispatcher():
@@ -268,6 +276,7 @@ def route_forwarded_lines(log: RayLog, verbose: bool) -> Callable[[], None]:
         reports, noise = FailureReports(), LibraryNoise()
 
         def route(data: dict[str, Any]) -> None:
+            data = _masked(data)
             if data.get("pid") == "autoscaler":
                 # Its whole log, every 5 s, of which Ray's printer shows only the events.
                 ray_print(data)
@@ -289,6 +298,7 @@ def route_forwarded_lines(log: RayLog, verbose: bool) -> Callable[[], None]:
     def route_error(data: dict[str, Any], ignore_prefix: bool) -> None:
         """Errors Ray publishes to the driver (`listen_error_messages`): to ray.log, and to the
         screen unless they are a report of a failure (runwatch.py prints its own line)."""
+        data = _masked(data)
         log.write(forwarded_lines(data))
         shown = [line for line in data.get("lines", []) if verbose or not (
             reports.hides("published", line) or is_ray_chatter(line))]

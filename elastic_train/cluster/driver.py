@@ -29,7 +29,7 @@ from elastic_train.cluster.nodewatch import (
 )
 from elastic_train.cluster.runlog import RunLog
 from elastic_train.cluster.worker import train_worker
-from elastic_train.config import Config, ConfigError, config_changes
+from elastic_train.config import Config, ConfigError, config_changes, redact
 from elastic_train.data.dataset import DatasetInfo, extra_columns, inspect_dataset
 from elastic_train.data.prepare import default_corpus_dir
 from elastic_train.observe.runfolder import CONFIG_FILE, run_uri
@@ -311,7 +311,7 @@ def start_runlog(cfg: Config):
     preflight/runlock.py) is refused, naming it. The name of a run's RunLog is freed when the
     run ends or its driver dies; one just killed is waited for RUNLOG_NAME_WAIT_S."""
     node_id = ray.get_runtime_context().get_node_id()
-    name, deadline = f"runlog:{run_uri(cfg)}", time.monotonic() + RUNLOG_NAME_WAIT_S
+    name, deadline = f"runlog:{redact.shown(run_uri(cfg))}", time.monotonic() + RUNLOG_NAME_WAIT_S
     while True:
         try:
             return RunLog.options(
@@ -335,7 +335,7 @@ def tracking_settings(cfg: Config) -> dict[str, Any] | None:
         return None
     env = {k: v for k, v in os.environ.items() if k.startswith(("MLFLOW_", "WANDB_"))}
     return {"mlflow": cfg.log.mlflow, "wandb": cfg.log.wandb, "run_name": cfg.run.name,
-            "params": cfg.to_dict(), "env": env}
+            "params": redact.shown_tree(cfg.to_dict()), "env": env}
 
 
 def _changed_keys(old_yaml: str, cfg: Config) -> str:
@@ -346,7 +346,7 @@ def _changed_keys(old_yaml: str, cfg: Config) -> str:
         old = None
     if not isinstance(old, dict):
         return "the saved one is not a YAML mapping"
-    return config_changes(old, cfg.to_dict()) or "only in its formatting"
+    return config_changes(old, redact.shown_tree(cfg.to_dict())) or "only in its formatting"
 
 
 def save_config(cfg: Config, runlog) -> None:
@@ -355,7 +355,7 @@ def save_config(cfg: Config, runlog) -> None:
     so a resume refused on the workers leaves the accepted config.yaml in place."""
     folder = ray.get(runlog.local_folder.remote())
     path = os.path.join(folder, CONFIG_FILE)
-    text = cfg.to_yaml()
+    text = redact.shown(cfg.to_yaml())  # as saved: other keys to the same store are no change
     if os.path.exists(path):
         with open(path) as f:
             old = f.read()

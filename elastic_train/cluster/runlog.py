@@ -27,6 +27,7 @@ import ray
 
 from elastic_train.cluster.raycompat import committed_step
 from elastic_train.cluster.raymetrics import RunMetrics
+from elastic_train.config import redact
 from elastic_train.observe.runfolder import RunFolder
 from elastic_train.observe.tb import TensorBoardWriter
 from elastic_train.observe.tracking import Tracker, build_backends
@@ -403,7 +404,7 @@ class RunLog:
                        warn=self._tracking_warning)
 
     def _tracking_warning(self, message: str) -> None:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+        print(f"warning: {redact.shown(message)}", file=sys.stderr, flush=True)
         self.log_event({"event": "tracking_warning", "message": message})
 
     def finish_tracking(self, summary: dict[str, Any]) -> bool:
@@ -551,9 +552,10 @@ class RunLog:
             return
         try:
             self._last_sync = time.time()
-            self.folder.sync()
+            self.folder.sync(pace_s=self.flush_interval_s)
         except Exception as exc:  # noqa: BLE001 - the store's error, whatever its type
-            print(f"warning: uploading the run folder failed ({exc}); the next upload retries",
+            print(redact.shown(f"warning: uploading the run folder failed ({exc}); the next "
+                               "upload retries"),
                   file=sys.stderr, flush=True)
             self.log_event({"event": "upload_failed", "error": str(exc)})
         finally:

@@ -33,7 +33,7 @@ from typing import Any
 import ray
 
 from elastic_train.cluster.nodewatch import COORDINATOR
-from elastic_train.config import Config
+from elastic_train.config import Config, redact
 
 logger = logging.getLogger("elastic_train")
 
@@ -106,7 +106,7 @@ class RunWatch:
     def _print(self, line: str) -> None:
         # One write: print() writes the line and its newline apart, and sys.stderr is unbuffered,
         # so a progress line (stdout, another thread) could land between them on a shared pipe.
-        self.stream.write(line + "\n")
+        self.stream.write(redact.shown(line) + "\n")
         self.stream.flush()
 
     def announced(self, failures: list[dict], attempts: list[dict], latest: dict) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from elastic_train.config import redact
 from elastic_train.observe.runfolder import local_copy
 from elastic_train.observe.stragglers import RANK_BUSY
 from elastic_train.observe.summary import build_summary, effective_records, ledger, split_records
@@ -463,7 +464,7 @@ def make_report(folder: str | os.PathLike, console=None,
     from rich.console import Console
 
     console = console or Console()
-    shown = os.fspath(folder).rstrip("/")
+    shown = redact.shown(os.fspath(folder).rstrip("/"))
     with local_copy(folder, _download_run_files, "elastic-train-report-") as (local, remote):
         run = load_run(local)
     figures = Path(output) if output is not None else (

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -25,7 +26,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from elastic_train.config import Config, check_run_name
+from elastic_train.config import Config, check_run_name, redact
 from elastic_train.data.dataset import join_uri
 
 PENDING = ".pending"  # a staged file's suffix until the run is accepted
@@ -36,6 +37,12 @@ PENDING = ".pending"  # a staged file's suffix until the run is accepted
 # pointers and folders the workers have replaced or deleted since.
 WORKER_OWNED = ("checkpoint", "best_checkpoint", "in_place_checkpoint", "compile_cache")
 CONFIG_FILE = "config.yaml"  # the accepted resolved config: its presence marks an earlier run
+# A store has no append: a file that grows (metrics.jsonl, a record a step: ~0.7 KB, 70 MB over
+# 100k steps) is sent whole each time. While the run trains, one over PACED_BYTES waits the
+# upload interval per PACED_BYTES it holds since its last upload, at most PACED_MAX_S: what the
+# uploads send stays near PACED_BYTES an interval, however long the run.
+PACED_BYTES = 1 << 20
+PACED_MAX_S = 600.0
 
 
 def run_uri(cfg: Config) -> str:
@@ -129,12 +136,14 @@ def worker_owned(name: str) -> bool:
 
 class RunFolder:
     """Files of `<storage_path>/<name>/`; for remote storage through a local staging folder.
-    Staged files, the journal and acceptance: see the module docstring."""
+    Staged files, the journal and acceptance: see the module docstring. What is written has the
+    secrets of its URIs masked (config/redact.py)."""
 
     def __init__(self, run_uri: str) -> None:
         self.uri = run_uri
         self.fs, self.remote_path, self.is_local = split_uri(run_uri)
         self._uploaded: dict[str, tuple[int, int, int]] = {}  # upload_copy's memory
+        self._uploaded_at: dict[str, float] = {}  # name: time.monotonic() of its last upload
         if self.is_local:
             self.local = Path(self.remote_path)
         else:
@@ -173,7 +182,7 @@ class RunFolder:
             self._remember(name, lambda: path.stat().st_size)
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a") as f:
-                f.write("".join(line + "\n" for line in lines))
+                f.write("".join(redact.shown(line) + "\n" for line in lines))
 
     def write(self, name: str, text: str) -> None:
         path = self.local / name
@@ -182,7 +191,7 @@ class RunFolder:
                 return
             self._remember(name, path.read_bytes)
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(text)
+            tmp.write_text(redact.shown(text))
             os.replace(tmp, path)
 
     def _remember(self, name: str, before) -> None:
@@ -197,7 +206,7 @@ class RunFolder:
             if self.discarded:
                 return
             if not self.accepted:
-                (self.local / (name + PENDING)).write_text(text)
+                (self.local / (name + PENDING)).write_text(redact.shown(text))
                 if name not in self._staged:
                     self._staged.append(name)
                 return
@@ -234,10 +243,24 @@ class RunFolder:
         path = self.local / name
         return json.loads(path.read_text()) if path.is_file() else default
 
-    def sync(self) -> None:
-        """Upload the staging copy (remote storage only; nothing once discarded)."""
-        if not self.is_local and not self.discarded:
-            upload_copy(str(self.local), self.fs, self.remote_path, self._uploaded)
+    def sync(self, pace_s: float = 0.0) -> None:
+        """Upload the staging copy (remote storage only; nothing once discarded). `pace_s`, the
+        interval of the uploads while the run trains: a file over PACED_BYTES uploaded before
+        goes once `pace_s` per PACED_BYTES it holds (at most PACED_MAX_S) has passed since;
+        0 (the run's end): every file that changed."""
+        if self.is_local or self.discarded:
+            return
+        now = time.monotonic()
+
+        def due(name: str, size: int) -> bool:
+            if not pace_s or size <= PACED_BYTES or name not in self._uploaded_at:
+                return True
+            return now - self._uploaded_at[name] >= min(PACED_MAX_S, pace_s * size / PACED_BYTES)
+
+        before = dict(self._uploaded)
+        upload_copy(str(self.local), self.fs, self.remote_path, self._uploaded, due)
+        self._uploaded_at.update((name, now) for name, version in self._uploaded.items()
+                                 if before.get(name) != version)
 
 
 def file_version(path: Path) -> tuple[int, int, int]:
@@ -248,7 +271,8 @@ def file_version(path: Path) -> tuple[int, int, int]:
 
 
 def upload_copy(local: str, fs: pafs.FileSystem, remote_path: str,
-                uploaded: dict[str, tuple[int, int, int]] | None = None) -> None:
+                uploaded: dict[str, tuple[int, int, int]] | None = None,
+                due: Callable[[str, int], bool] | None = None) -> None:
     """A remote run folder's staging copy `local`, uploaded over it: every file the copy holds
     (the RunLog's, never the workers'), but no link (W&B's `latest-run`: its target goes once)
     and no file still being written (`*.tmp`, renamed into place when whole; a staged
@@ -257,7 +281,7 @@ def upload_copy(local: str, fs: pafs.FileSystem, remote_path: str,
     is left to the next upload. `uploaded` (name: `file_version`, kept by the caller between
     uploads) leaves out the files that have not changed since they were last uploaded: every
     upload sent the whole folder (ray.log, the config, consumed ids of earlier attempts, ...)
-    every few seconds."""
+    every few seconds. `due(name, size)` False: a changed file waits for a later upload."""
     root = Path(local)
     files = []
     for folder, subfolders, names in os.walk(root):  # a linked folder is not entered
@@ -271,7 +295,8 @@ def upload_copy(local: str, fs: pafs.FileSystem, remote_path: str,
         target = f"{remote_path}/{name}"
         try:
             version = file_version(path)  # before reading: a write meanwhile uploads it again
-            if uploaded is not None and uploaded.get(name) == version:
+            if (uploaded is not None and uploaded.get(name) == version) or (
+                    due is not None and not due(name, version[1])):
                 continue
             with open(path, "rb") as source:
                 if path.parent != root:

@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
+from elastic_train.config import redact
 from elastic_train.training.shardfiles import ShardedFiles, read_sharded, sharding_of
 
 MANIFEST = "manifest.json"
@@ -203,7 +204,8 @@ def write_checkpoint(snap: dict[str, Any], directory: str | Path, crash_midway: 
         if crash_midway:  # test hook: the process dies with the checkpoint half written
             os._exit(1)
     if "state" in snap:
-        (directory / "state.json").write_text(json.dumps(snap["state"]))
+        # its config without the secrets of its URIs: a checkpoint is read by whoever reads the store
+        (directory / "state.json").write_text(json.dumps(redact.shown_tree(snap["state"])))
         files["state.json"] = (directory / "state.json").stat().st_size
     manifest = {"format_version": FORMAT_VERSION, "files": files}
     name = _shard_manifest(shard)
