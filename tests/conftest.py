@@ -73,11 +73,13 @@ def held_out_dataset(tmp_path_factory) -> str:
 PROCESS_GROUP_SHUTDOWN_S = 5
 
 
-def start_shared_ray() -> None:
+def start_shared_ray(metrics_report_interval_ms: int | None = None) -> None:
     """The session's local Ray cluster, started if none is up: every module on a plain local
     cluster shares it (its start and shutdown cost 5-10 s a module here, and a first run in a
-    cold cluster more). Its processes send their metrics every second (test_metrics.py reads them;
-    10 s by default). A module that needs a cluster of its own calls `own_ray_cluster` first."""
+    cold cluster more). A module that needs a cluster of its own calls `own_ray_cluster` first.
+    `metrics_report_interval_ms`: how often its processes send their metrics (test_metrics.py
+    reads them every second, in a cluster of its own: at that rate the dashboard agent took 148
+    of the suite's 3398 CPU-seconds; Ray's default is 10 s)."""
     import ray
 
     from elastic_train.cluster.driver import start_local_ray
@@ -97,7 +99,9 @@ def start_shared_ray() -> None:
     start_local_ray({"TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(PROCESS_GROUP_SHUTDOWN_S),
                      "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "5"},
                     num_cpus=4, dashboard_host="127.0.0.1", include_dashboard=True,
-                    log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})
+                    log_to_driver=False, _system_config=(
+                        {} if metrics_report_interval_ms is None
+                        else {"metrics_report_interval_ms": metrics_report_interval_ms}))
 
 
 def own_ray_cluster() -> None:

@@ -7,7 +7,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import TINY
+from conftest import TINY, own_ray_cluster, start_shared_ray
 
 from elastic_train import load_config
 from elastic_train.api import train
@@ -31,13 +31,17 @@ def test_goodput_counts_each_steps_latest_attempt_against_wall_time():
 
 
 @pytest.fixture(scope="module")
-def metrics_cluster(ray_cluster):
-    """The shared local cluster, whose processes send their metrics every second (the floor; 10 s
-    by default), and the URL where its node's agent serves them in Prometheus' text format."""
+def metrics_cluster():
+    """A local cluster of the module's own, as the shared one but with processes that send their
+    metrics every second (the floor; 10 s by default), and the URL where its node's agent serves
+    them in Prometheus' text format. The next module starts the shared one again."""
     import ray
 
+    own_ray_cluster()
+    start_shared_ray(metrics_report_interval_ms=1000)
     (node,) = [n for n in ray.nodes() if n["Alive"]]
-    return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+    yield f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+    own_ray_cluster()
 
 
 def scrape(url: str, run: str) -> dict[str, float]:
